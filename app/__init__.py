@@ -1,0 +1,1 @@
+"""Command line, configuration, the HTTP API and server wiring."""

@@ -1,0 +1,105 @@
+"""The `kvfence` command: `generate` (offline, colocated) and `fetch`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvfence.app.environment import kvfence_home
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="GGUF file, Hugging Face model directory, or known name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    p.add_argument("--page-size", type=int, default=16, dest="page_size_tokens", help="tokens per KV page")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfence", description="Disaggregated LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from one prompt, without a server")
+    _add_model_args(gen)
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap PROMPT as one user message in the chat template")
+    gen.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with ids and text")
+
+    fetch = sub.add_parser("fetch", help="fetch a known model into the cache and print its path")
+    fetch.add_argument("model", nargs="?", default=None)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvfence.engine.chat_template import render_chat
+    from kvfence.engine.kv_pool import KVPool
+    from kvfence.engine.llama import LlamaModel
+    from kvfence.engine.loading import load_model_spec, pick_device, pick_dtype
+    from kvfence.engine.offline import OfflineEngine
+    from kvfence.engine.runner import ModelRunner
+    from kvfence.engine.sampling import SamplingParams
+
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    checkpoint = load_model_spec(args.model, kvfence_home())
+    tok = checkpoint.tokenizer
+    if args.chat:
+        text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}],
+                           bos_token=tok.special_token_text(tok.bos_token_id))
+        prompt_ids = tok.encode(text, add_bos=False)
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    num_tokens = len(prompt_ids) + args.max_tokens
+    num_pages = -(-num_tokens // args.page_size_tokens)
+    model = LlamaModel(checkpoint, dtype, device)
+    del checkpoint
+    pool = KVPool(model.config, num_pages, args.page_size_tokens, dtype, device)
+    engine = OfflineEngine(ModelRunner(model, pool), tok, chunk_tokens=args.chunk_tokens)
+    with torch.inference_mode():
+        out = engine.generate([prompt_ids], [params])[0]
+    if args.json:
+        print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "generated_token_ids": out.generated_token_ids,
+                          "text": out.text, "finish_reason": out.finish_reason}))
+    else:
+        print(out.text)
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from kvfence.engine.model_registry import resolve_model
+
+    print(resolve_model(args.model, kvfence_home()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    from kvfence.engine.checkpoint import CheckpointError
+    from kvfence.engine.model_registry import FetchError
+
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _fetch(args)
+    except (ValueError, FileNotFoundError, CheckpointError, FetchError) as e:
+        print(f"kvfence: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

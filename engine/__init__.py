@@ -1,0 +1,1 @@
+"""What runs on a device: model families, weight loading, tokenizer, the physical KV pool, workers."""

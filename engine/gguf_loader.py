@@ -1,0 +1,181 @@
+"""Load a Llama-family GGUF file: config, dequantized weights, tokenizer.
+
+GGUF (llama.cpp's format) stores the Q and K projections of `llama`-architecture models permuted
+for interleaved-pair RoPE. This loader un-permutes them per head so the model can use the
+rotate-half RoPE that Hugging Face checkpoints use; mixing the two conventions is silently wrong.
+`qwen2` files are stored unpermuted (llama.cpp runs them with NeoX RoPE) and are left as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvfence.engine.checkpoint import Checkpoint, CheckpointError, check_tensors
+from kvfence.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from kvfence.engine.tokenizer import tokenizer_from_gguf_fields
+
+# Quantization types this loader dequantizes (through the `gguf` package).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Architectures whose Q/K weights the GGUF converter permuted for interleaved RoPE.
+_PERMUTED_QK_ARCHS = ("llama",)
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    """Map a GGUF tensor name to its canonical (HF) name; None for tensors the model does not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleave: rows (head, pair, 2) -> (head, 2, pair)."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
+             .transpose(1, 2).reshape(w.shape).contiguous())
+
+
+def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The GGUF converter's permutation (inverse of `unpermute_qk`); used to write GGUF files."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return (w.reshape(num_heads, 2, head_dim // 2, *w.shape[1:])
+             .transpose(1, 2).reshape(w.shape).contiguous())
+
+
+def _open(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad files
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _float32_value(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
+    9.999999747378752e-06): the number the converter was given, as config.json has it."""
+    f = float(value)
+    return float(str(np.float32(f))) if float(np.float32(f)) == f else f
+
+
+def config_from_fields(reader: Any, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise CheckpointError(f"{path}: GGUF has no general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:  # before its keys: other families lack llama's keys
+        raise UnsupportedModelError(f"{path}: unknown architecture {arch!r}; kvfence runs "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{path}: GGUF is missing {arch}.{key}")
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    try:
+        return ModelConfig(
+            architecture=str(arch),
+            num_layers=int(get("block_count")),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            vocab_size=int(get("vocab_size", len(tokens))),
+            max_context_tokens=int(get("context_length")),
+            rope_theta=_float32_value(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=_float32_value(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        )
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{path}: {e}") from e
+
+
+def _dequantize(t: Any, path: Path) -> torch.Tensor:
+    import gguf
+
+    kind = t.tensor_type.name
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        raise CheckpointError(f"{path}: tensor {t.name} has unsupported type {kind}; "
+                              f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise CheckpointError(f"{path}: tensor {t.name} ({kind}) cannot be dequantized: {e}") from e
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+    arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+    if not arr.flags.writeable:  # unquantized tensors are read-only views of the memory map
+        arr = arr.copy()
+    return torch.from_numpy(arr)
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    """Load `path`; raise CheckpointError (or UnsupportedModelError) with the file named."""
+    reader = _open(path)
+    config = config_from_fields(reader, path)
+    size = path.stat().st_size
+    tensors: dict[str, torch.Tensor] = {}
+    rope_freq_factors = None
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise CheckpointError(f"{path}: truncated, tensor {t.name} ends past the end of the file")
+        if t.name == "rope_freqs.weight":
+            rope_freq_factors = _dequantize(t, path)
+            continue
+        name = canonical_name(t.name)
+        if name is None:
+            continue
+        w = _dequantize(t, path)
+        if config.architecture in _PERMUTED_QK_ARCHS:
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                w = unpermute_qk(w, config.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                w = unpermute_qk(w, config.num_kv_heads)
+        tensors[name] = w
+    check_tensors(config, tensors, str(path))
+    tokenizer = tokenizer_from_gguf_fields(lambda key: _field(reader, key), str(path))
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
+                      rope_freq_factors=rope_freq_factors)

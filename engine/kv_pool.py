@@ -1,0 +1,83 @@
+"""The physical KV cache of one worker: a pool of fixed-size pages and their owner tags.
+
+Layout (the "page-major" layout, recorded at pairing): one tensor
+`data[num_pages, num_layers, 2, page_size_tokens, num_kv_heads, head_dim]`, so every page is one
+contiguous run of `page_nbytes` bytes. A transport moves and digests a page as one region.
+
+Owner tags: `owner_tags[num_pages, 2]` int64 holds the 128-bit lease id that owns each page, split
+into two signed 64-bit halves; (0, 0) means free. Which pages are free is decided by the page
+ledger (scheduler/); this pool only stores what the ledger hands out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfence.engine.model_config import ModelConfig
+
+_MASK64 = (1 << 64) - 1
+
+
+def lease_tag(lease: int) -> tuple[int, int]:
+    """Split a 128-bit lease id into the two signed int64 halves stored in `owner_tags`."""
+    if not 0 <= lease < 1 << 128:
+        raise ValueError(f"lease id must be an unsigned 128-bit integer, got {lease}")
+
+    def signed(x: int) -> int:
+        return x - (1 << 64) if x >= 1 << 63 else x
+
+    return signed(lease >> 64), signed(lease & _MASK64)
+
+
+def tag_lease(hi: int, lo: int) -> int:
+    """Inverse of `lease_tag`."""
+    return ((hi & _MASK64) << 64) | (lo & _MASK64)
+
+
+class KVPool:
+    def __init__(self, config: ModelConfig, num_pages: int, page_size_tokens: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        if num_pages <= 0:
+            raise ValueError(f"a KV pool needs at least one page, got num_pages={num_pages}")
+        if page_size_tokens <= 0:
+            raise ValueError(f"page_size_tokens must be > 0, got {page_size_tokens}")
+        self.config = config
+        self.num_pages = num_pages
+        self.page_size_tokens = page_size_tokens
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.data = torch.zeros(  # [pages, layers, K|V, page_size, kv_heads, head_dim]
+            num_pages, config.num_layers, 2, page_size_tokens, config.num_kv_heads, config.head_dim,
+            dtype=dtype, device=self.device)
+        self.owner_tags = torch.zeros(num_pages, 2, dtype=torch.int64, device=self.device)
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.data[0].numel() * self.data.element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size_tokens
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """[num_pages, page_size, kv_heads, head_dim] view of one layer's keys."""
+        return self.data[:, layer, 0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.data[:, layer, 1]
+
+    def assign(self, pages: list[int], lease: int) -> None:
+        """Tag `pages` as owned by `lease` (called when the ledger hands them to a lease)."""
+        if lease == 0:
+            raise ValueError("lease 0 is reserved for free pages")
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        self.owner_tags[idx] = torch.tensor(lease_tag(lease), dtype=torch.int64, device=self.device)
+
+    def clear(self, pages: list[int]) -> None:
+        """Mark `pages` free (tag 0)."""
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        self.owner_tags[idx] = 0
+
+    def owner(self, page: int) -> int:
+        hi, lo = self.owner_tags[page].tolist()
+        return tag_lease(hi, lo)

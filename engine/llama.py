@@ -1,0 +1,94 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Plain tensors, no autograd, token-major activations: a step is one flat batch of T tokens from
+many sequences (see attention.AttentionBatch). Q/K/V and gate/up projections are fused into one
+GEMM each, so a layer is four matrix multiplies whatever the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from kvfence.engine.attention import AttentionBatch, paged_attention, store_kv
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.model_config import ModelConfig
+from kvfence.engine.rope import Rope
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o: torch.Tensor  # [hidden, q_size]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.config: ModelConfig = checkpoint.config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        t = checkpoint.tensors
+
+        def w(name: str) -> torch.Tensor:
+            return t[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        self.final_norm = w("model.norm.weight")
+        self.lm_head = self.embed if self.config.tie_word_embeddings else w("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if self.config.qkv_bias:
+                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            self.layers.append(LayerWeights(
+                attn_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                qkv_bias=bias,
+                o=w(a + "o_proj.weight"),
+                mlp_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        self.rope = Rope(self.config, dtype, self.device, checkpoint.rope_freq_factors)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                pool: KVPool, logits_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64; logits_rows: [N] rows to score -> logits [N, vocab] float32.
+
+        Writes every token's K/V into the pages `batch` names, then attends through them.
+        """
+        c = self.config
+        num_tokens = input_ids.shape[0]
+        x = self.embed[input_ids]  # [T, hidden]
+        cos, sin = self.rope.tables(positions)
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, layer.attn_norm)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, q_size + 2 kv_size]
+            qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = self.rope.apply(qk, cos, sin)
+            q = qk[:, : c.num_heads]  # [T, heads, head_dim]
+            k = qk[:, c.num_heads:]  # [T, kv_heads, head_dim]
+            v = qkv[:, c.q_size + c.kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
+            keys, values = pool.keys(i), pool.values(i)
+            store_kv(keys, values, k, v, batch)
+            attn = paged_attention(q, keys, values, batch)  # [T, heads, head_dim]
+            x = x + F.linear(attn.reshape(num_tokens, c.q_size), layer.o)
+            h = self._norm(x, layer.mlp_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = self._norm(x[logits_rows], self.final_norm)  # [N, hidden]
+        return F.linear(x, self.lm_head).float()  # [N, vocab]

@@ -1,0 +1,90 @@
+"""One model step over a batch of sequences: the compute core of a worker.
+
+The caller (scheduler or offline engine) decides what runs; the runner turns that decision into
+tensors, runs the model over the paged KV pool, and samples. It never allocates pages: page
+tables come from the page ledger and are only read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvfence.engine.attention import build_attention_batch
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.sampling import Sampler, SamplingParams
+
+
+@dataclasses.dataclass
+class SeqWork:
+    """What one sequence does in one step."""
+
+    token_ids: list[int]  # tokens fed this step: a prefill chunk, or the one last sampled token
+    context_tokens: int  # tokens of this sequence already in the KV cache
+    page_table: list[int]  # pages covering context_tokens + len(token_ids), in order
+    sampling: SamplingParams | None  # None: an intermediate prefill chunk, nothing sampled
+    output_index: int = 0  # index of the token to sample within the output (seeds the noise)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.context_tokens > 0
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: list[int | None]  # sampled token per SeqWork, in the caller's order
+    logits: torch.Tensor | None  # [num sampled, vocab] float32 when asked for, in the same order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, sampler: Sampler | None = None) -> None:
+        if pool.config != model.config:
+            raise ValueError("the KV pool was built for a different model config")
+        self.model = model
+        self.pool = pool
+        self.sampler = sampler or Sampler()
+
+    def step(self, works: list[SeqWork], return_logits: bool = False) -> StepResult:
+        """Run one forward over `works` (decodes are batched together; prefill chunks follow)."""
+        page_size = self.pool.page_size_tokens
+        for w in works:
+            needed = -(-(w.context_tokens + len(w.token_ids)) // page_size)
+            if not w.token_ids or len(w.page_table) < needed:
+                raise ValueError(f"sequence step needs {needed} pages and at least one token, "
+                                 f"got {len(w.page_table)} pages and {len(w.token_ids)} tokens")
+        order = [i for i, w in enumerate(works) if w.is_decode] + \
+                [i for i, w in enumerate(works) if not w.is_decode]
+        num_decode = sum(1 for w in works if w.is_decode)
+        ids: list[int] = []
+        positions: list[int] = []
+        score_rows: list[int] = []
+        scored: list[int] = []  # indices into `works` that sample, in logits-row order
+        for i in order:
+            w = works[i]
+            ids.extend(w.token_ids)
+            positions.extend(range(w.context_tokens, w.context_tokens + len(w.token_ids)))
+            if w.sampling is not None:
+                score_rows.append(len(ids) - 1)
+                scored.append(i)
+        device = self.pool.device
+        batch = build_attention_batch(
+            page_size,
+            [(works[i].page_table, works[i].context_tokens + 1) for i in order[:num_decode]],
+            [(works[i].page_table, works[i].context_tokens, len(works[i].token_ids)) for i in order[num_decode:]],
+            device,
+        )
+        tokens: list[int | None] = [None] * len(works)
+        logits = self.model.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                    batch, self.pool, torch.tensor(score_rows, dtype=torch.int64, device=device))
+        if not scored:
+            return StepResult(tokens, None)
+        params = [works[i].sampling for i in scored]
+        sampled = self.sampler.sample(logits, params, [works[i].output_index for i in scored])  # type: ignore[arg-type]
+        for i, tok in zip(scored, sampled.tolist()):
+            tokens[i] = tok
+        if not return_logits:
+            return StepResult(tokens, None)
+        caller_order = sorted(range(len(scored)), key=lambda row: scored[row])
+        return StepResult(tokens, logits[caller_order])

@@ -1,0 +1,207 @@
+"""Tokenizers built with the `tokenizers` library, from GGUF metadata or a tokenizer.json.
+
+One class, `Tokenizer`, whatever the source: `encode`/`decode`, the ids that end generation, the
+BOS policy, and the model's chat template (rendered by `chat_template.render_chat`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as RustTokenizer
+
+# Control tokens that end generation in every family we run (llama.cpp uses the same list).
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<|end|>", "<end_of_turn>",
+})
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Pre-tokenizer split patterns for the byte-level BPE families, by GGUF `tokenizer.ggml.pre`.
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class TokenizerError(ValueError):
+    """The tokenizer cannot be built from what the checkpoint provides."""
+
+
+class Tokenizer:
+    """Encode and decode text for one model.
+
+    `eos_token_ids` are every id that ends generation (unless a request sets ignore_eos);
+    `add_bos` says whether a raw completion prompt starts with BOS.
+    """
+
+    def __init__(self, inner: RustTokenizer, *, bos_token_id: int | None, eos_token_ids: Iterable[int],
+                 add_bos: bool, chat_template: str | None) -> None:
+        self.inner = inner
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.add_bos = add_bos and bos_token_id is not None
+        self.chat_template = chat_template
+        self.vocab_size = inner.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised as such."""
+        ids: list[int] = self.inner.encode(text, add_special_tokens=False).ids
+        want_bos = self.add_bos if add_bos is None else (add_bos and self.bos_token_id is not None)
+        if want_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.inner.id_to_token(token_id)
+
+    def special_token_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self.inner.id_to_token(token_id) or ""
+
+
+def _end_of_generation_ids(inner: RustTokenizer, explicit: Iterable[int | None]) -> set[int]:
+    ids = {i for i in explicit if i is not None and i >= 0}
+    for text in END_OF_GENERATION_TEXTS:
+        tid = inner.token_to_id(text)
+        if tid is not None:
+            ids.add(tid)
+    return ids
+
+
+def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre == "smollm":
+        # Every digit on its own, then GPT-2's byte-level split (llama.cpp's "smollm" pre-type).
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    pattern = {"llama-bpe": _LLAMA3_PATTERN, "llama3": _LLAMA3_PATTERN,
+               "qwen2": _QWEN2_PATTERN}.get(pre)
+    if pattern is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def spm_merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to a SentencePiece vocabulary: every split of a piece whose halves are
+    both pieces, ordered by the piece's score (higher merges first)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str, float, int, int]] = []
+    for piece, score in zip(tokens, scores):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right, score, vocab[left], vocab[right]))
+    merges.sort(key=lambda m: (-m[2], m[3], m[4]))
+    return [(m[0], m[1]) for m in merges]
+
+
+def _add_special_tokens(inner: RustTokenizer, tokens: list[str], types: list[int]) -> None:
+    added = [AddedToken(tok, special=(kind == _TOKEN_TYPE_CONTROL), normalized=False)
+             for tok, kind in zip(tokens, types)
+             if kind in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)]
+    inner.add_special_tokens([t for t in added if t.special])
+    inner.add_tokens([t for t in added if not t.special])
+
+
+def tokenizer_from_gguf_fields(field: Callable[[str], Any], source: str) -> Tokenizer:
+    """Build from GGUF `tokenizer.ggml.*` metadata; `field(key)` returns a value or None."""
+    kind = field("tokenizer.ggml.model")
+    tokens: list[str] | None = field("tokenizer.ggml.tokens")
+    if not tokens:
+        raise TokenizerError(f"{source}: GGUF has no tokenizer.ggml.tokens")
+    types = list(field("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in (field("tokenizer.ggml.merges") or [])]
+        inner = RustTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        inner.pre_tokenizer = _byte_level_pre_tokenizer(str(field("tokenizer.ggml.pre") or "default"))
+        inner.decoder = decoders.ByteLevel()
+        default_add_bos = False
+    elif kind == "llama":
+        scores = list(field("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        unk = field("tokenizer.ggml.unknown_token_id")
+        inner = RustTokenizer(models.BPE(vocab, spm_merges_from_scores(tokens, scores), fuse_unk=True,
+                                         byte_fallback=True,
+                                         unk_token=tokens[unk] if unk is not None else None))
+        inner.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        inner.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        default_add_bos = True
+    else:
+        raise TokenizerError(f"{source}: GGUF tokenizer model {kind!r} is not supported "
+                             "(supported: gpt2 byte-level BPE, llama SentencePiece)")
+    _add_special_tokens(inner, tokens, types)
+    bos = field("tokenizer.ggml.bos_token_id")
+    add_bos = field("tokenizer.ggml.add_bos_token")
+    eos_ids = _end_of_generation_ids(inner, [field("tokenizer.ggml.eos_token_id"),
+                                             field("tokenizer.ggml.eot_token_id"),
+                                             field("tokenizer.ggml.eom_token_id")])
+    return Tokenizer(inner, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
+                     add_bos=default_add_bos if add_bos is None else bool(add_bos),
+                     chat_template=field("tokenizer.chat_template"))
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot read JSON ({e})") from e
+
+
+def tokenizer_from_hf_dir(directory: Path) -> Tokenizer:
+    """Build from tokenizer.json, tokenizer_config.json and generation_config.json."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"{directory}: no tokenizer.json (only fast tokenizers are supported)")
+    try:
+        inner = RustTokenizer.from_file(str(path))
+    except Exception as e:
+        raise TokenizerError(f"{path}: cannot load tokenizer ({e})") from e
+    cfg = _read_json(directory / "tokenizer_config.json")
+    gen = _read_json(directory / "generation_config.json")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja = directory / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    bos_text = _token_content(cfg.get("bos_token"))
+    eos_text = _token_content(cfg.get("eos_token"))
+    bos = inner.token_to_id(bos_text) if bos_text else gen.get("bos_token_id")
+    gen_eos = gen.get("eos_token_id")
+    explicit = list(gen_eos) if isinstance(gen_eos, list) else [gen_eos]
+    explicit.append(inner.token_to_id(eos_text) if eos_text else None)
+    add_bos = cfg.get("add_bos_token")
+    if add_bos is None:  # infer from the post-processor, which is what HF encoding would do
+        probe = inner.encode("a", add_special_tokens=True).ids
+        add_bos = bos is not None and bool(probe) and probe[0] == bos
+    return Tokenizer(inner, bos_token_id=bos, eos_token_ids=_end_of_generation_ids(inner, explicit),
+                     add_bos=bool(add_bos), chat_template=template)

@@ -1,0 +1,1 @@
+"""Request lifecycle, admission, the page ledger and batching policy. Plain Python: no torch, no I/O."""

@@ -1,0 +1,36 @@
+"""Shared fixtures: the default model (fetched once into KVFENCE_HOME) and the reference cases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfence.app.environment import kvfence_home
+from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
+from kvfence.engine.model_registry import resolve_model
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads() -> None:
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    """Greedy references of the default model on which two independent engines agree."""
+    return json.loads((DATA / "smollm2_greedy_public.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    return resolve_model(None, kvfence_home(), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2(default_model_path: Path) -> Checkpoint:
+    return load_checkpoint(default_model_path)
