@@ -1,8 +1,10 @@
 """The physical KV cache of one worker: a pool of fixed-size pages and their owner tags.
 
 Layout (the "page-major" layout, recorded at pairing): one tensor
-`data[num_pages, num_layers, 2, page_size_tokens, num_kv_heads, head_dim]`, so every page is one
-contiguous run of `page_nbytes` bytes. A transport moves and digests a page as one region.
+`data[num_pages, num_layers, 2, num_kv_heads, page_size_tokens, head_dim]`, so every page is one
+contiguous run of `page_nbytes` bytes. A transport moves and digests a page as one region. Within a
+page, each KV head's tokens are contiguous ([page_size, head_dim] tiles), which is what attention
+reads.
 
 Owner tags: `owner_tags[num_pages, 2]` int64 holds the 128-bit lease id that owns each page, split
 into two signed 64-bit halves; (0, 0) means free. Which pages are free is decided by the page
@@ -46,8 +48,8 @@ class KVPool:
         self.page_size_tokens = page_size_tokens
         self.dtype = dtype
         self.device = torch.device(device)
-        self.data = torch.zeros(  # [pages, layers, K|V, page_size, kv_heads, head_dim]
-            num_pages, config.num_layers, 2, page_size_tokens, config.num_kv_heads, config.head_dim,
+        self.data = torch.zeros(  # [pages, layers, K|V, kv_heads, page_size, head_dim]
+            num_pages, config.num_layers, 2, config.num_kv_heads, page_size_tokens, config.head_dim,
             dtype=dtype, device=self.device)
         self.owner_tags = torch.zeros(num_pages, 2, dtype=torch.int64, device=self.device)
 
@@ -60,7 +62,7 @@ class KVPool:
         return self.num_pages * self.page_size_tokens
 
     def keys(self, layer: int) -> torch.Tensor:
-        """[num_pages, page_size, kv_heads, head_dim] view of one layer's keys."""
+        """[num_pages, kv_heads, page_size, head_dim] view of one layer's keys."""
         return self.data[:, layer, 0]
 
     def values(self, layer: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kvfence.engine.attention import AttentionBatch, paged_attention, store_kv
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.linear import Linear
 from kvfence.engine.model_config import ModelConfig
 from kvfence.engine.rope import Rope
 
@@ -22,12 +23,11 @@ from kvfence.engine.rope import Rope
 @dataclasses.dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o: torch.Tensor  # [hidden, q_size]
+    qkv: Linear  # hidden -> q_size + 2 * kv_size (with the Q/K/V biases when the model has them)
+    o: Linear  # q_size -> hidden
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 class LlamaModel:
@@ -42,7 +42,7 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = w("model.norm.weight")
-        self.lm_head = self.embed if self.config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Linear(self.embed if self.config.tie_word_embeddings else w("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(self.config.num_layers):
             p = f"model.layers.{i}."
@@ -52,12 +52,12 @@ class LlamaModel:
                 bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                qkv_bias=bias,
-                o=w(a + "o_proj.weight"),
+                qkv=Linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                           bias),
+                o=Linear(w(a + "o_proj.weight")),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                down=Linear(w(p + "mlp.down_proj.weight")),
             ))
         self.rope = Rope(self.config, dtype, self.device, checkpoint.rope_freq_factors)
 
@@ -77,7 +77,7 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.attn_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, q_size + 2 kv_size]
+            qkv = layer.qkv(h)  # [T, q_size + 2 kv_size]
             qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
             qk = self.rope.apply(qk, cos, sin)
             q = qk[:, : c.num_heads]  # [T, heads, head_dim]
@@ -86,9 +86,9 @@ class LlamaModel:
             keys, values = pool.keys(i), pool.values(i)
             store_kv(keys, values, k, v, batch)
             attn = paged_attention(q, keys, values, batch)  # [T, heads, head_dim]
-            x = x + F.linear(attn.reshape(num_tokens, c.q_size), layer.o)
+            x = x + layer.o(attn.reshape(num_tokens, c.q_size))
             h = self._norm(x, layer.mlp_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, intermediate] each
+            x = x + layer.down(F.silu(gate) * up)
         x = self._norm(x[logits_rows], self.final_norm)  # [N, hidden]
-        return F.linear(x, self.lm_head).float()  # [N, vocab]
+        return self.lm_head(x).float()  # [N, vocab]

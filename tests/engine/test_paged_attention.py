@@ -31,8 +31,8 @@ def test_paged_equals_contiguous(seed: int, page_size: int) -> None:
     heads = kv_heads * rng.choice([1, 2, 3])
     head_dim = rng.choice([8, 16, 64])
     num_pages = 7 * 64 // page_size + 7  # enough for 7 sequences of up to 64 tokens
-    keys = torch.randn(num_pages, page_size, kv_heads, head_dim)
-    values = torch.randn(num_pages, page_size, kv_heads, head_dim)
+    keys = torch.randn(num_pages, kv_heads, page_size, head_dim)
+    values = torch.randn(num_pages, kv_heads, page_size, head_dim)
     free = list(range(num_pages))
     rng.shuffle(free)  # page tables are scattered, not contiguous
 
@@ -46,8 +46,8 @@ def test_paged_equals_contiguous(seed: int, page_size: int) -> None:
         k = torch.randn(ctx + n, kv_heads, head_dim)
         v = torch.randn(ctx + n, kv_heads, head_dim)
         for pos in range(ctx):  # the cached context was written by earlier steps
-            keys[table[pos // page_size], pos % page_size] = k[pos]
-            values[table[pos // page_size], pos % page_size] = v[pos]
+            keys[table[pos // page_size], :, pos % page_size] = k[pos]
+            values[table[pos // page_size], :, pos % page_size] = v[pos]
         (decode if is_decode else prefill).append((table, ctx, n))
         full_kv.append((is_decode, k, v, ctx, n))
     batch = build_attention_batch(page_size, [(t, c + 1) for t, c, _ in decode], prefill, torch.device("cpu"))
@@ -65,10 +65,10 @@ def test_paged_equals_contiguous(seed: int, page_size: int) -> None:
 
 
 def test_store_kv_writes_only_named_slots() -> None:
-    keys = torch.zeros(4, 4, 1, 2)
-    values = torch.zeros(4, 4, 1, 2)
+    keys = torch.zeros(4, 1, 4, 2)  # [pages, kv_heads, page_size, head_dim]
+    values = torch.zeros(4, 1, 4, 2)
     batch = build_attention_batch(4, [], [([2, 0], 3, 2)], torch.device("cpu"))  # positions 3, 4
     store_kv(keys, values, torch.ones(2, 1, 2), torch.full((2, 1, 2), 2.0), batch)
-    written = (keys != 0).any(-1).any(-1).nonzero().tolist()
+    written = (keys[:, 0] != 0).any(-1).nonzero().tolist()
     assert written == [[0, 0], [2, 3]]  # page 2 offset 3, then page 0 offset 0
-    assert values[2, 3].eq(2).all() and values[0, 0].eq(2).all()
+    assert values[2, 0, 3].eq(2).all() and values[0, 0, 0].eq(2).all()

@@ -1,0 +1,69 @@
+"""`kvfence generate` as a user runs it: a real subprocess on the default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def kvfence(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvfence.app.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+
+
+def case(reference: dict, kind: str) -> dict:
+    return next(c for c in reference["cases"] if c["kind"] == kind)
+
+
+def test_generate_json_equals_reference(reference: dict, default_model_path: Path) -> None:
+    c = case(reference, "completion")
+    proc = kvfence("generate", "--model", str(default_model_path), "--json", "--max-tokens", "12",
+                   "--ignore-eos", c["prompt"])
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_token_ids"] == c["prompt_token_ids"]
+    assert out["generated_token_ids"] == c["greedy_ids"][:12]
+    assert c["text_until_eos"].startswith(out["text"])
+
+
+def test_generate_chat_wraps_the_prompt(reference: dict, default_model_path: Path) -> None:
+    c = next(c for c in reference["cases"] if c["kind"] == "chat" and len(c["messages"]) == 1)
+    proc = kvfence("generate", "--model", str(default_model_path), "--chat", "--json", "--max-tokens", "6",
+                   c["messages"][0]["content"])
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_token_ids"] == c["prompt_token_ids"]
+    assert out["generated_token_ids"] == c["greedy_ids"][:6]
+
+
+def test_seeded_sampling_reproduces(default_model_path: Path) -> None:
+    args = ("generate", "--model", str(default_model_path), "--json", "--max-tokens", "10",
+            "--temperature", "0.9", "--seed", "7", "Once upon a time")
+    first, second = kvfence(*args), kvfence(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["generated_token_ids"] == json.loads(second.stdout)["generated_token_ids"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "/nonexistent/model.gguf", "hi"), "neither an existing path nor a known model"),
+    (("--temperature", "-1", "hi"), "temperature must be"),
+    (("--max-tokens", "0", "hi"), "max_tokens must be"),
+    (("--dtype", "int3", "hi"), "--dtype 'int3'"),
+])
+def test_bad_input_is_a_clear_error(args: tuple[str, ...], message: str, default_model_path: Path) -> None:
+    proc = kvfence("generate", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fetch_failure_names_the_step(tmp_path: Path) -> None:
+    env = dict(os.environ, KVFENCE_HOME=str(tmp_path), PIP_INDEX_URL="http://127.0.0.1:9/simple",
+               PIP_EXTRA_INDEX_URL="", PIP_FIND_LINKS="", PIP_NO_INDEX="0", PIP_RETRIES="0", PIP_TIMEOUT="2")
+    proc = kvfence("fetch", env=env)
+    assert proc.returncode == 2
+    assert "step 'download'" in proc.stderr and "--model" in proc.stderr
