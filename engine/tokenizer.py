@@ -7,6 +7,7 @@ BOS policy, and the model's chat template (rendered by `chat_template.render_cha
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,51 @@ def spm_merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple
     return [(m[0], m[1]) for m in merges]
 
 
+_LONE_SURROGATES = re.compile("[\udc80-\udcff]")
+
+
+class _SentencePieceDecoder:
+    """Pieces to text as sentencepiece decodes them: "▁" is a space, each run of <0xXX> byte pieces
+    is UTF-8 with one U+FFFD per invalid byte, and one leading space (the dummy prefix) is dropped.
+
+    tokenizers' ByteFallback decoder turns a whole run of byte pieces into U+FFFDs when any byte in
+    it is invalid, so a window that starts inside a character (as the incremental detokenizer's
+    does) would also lose the newlines after it, which SentencePiece vocabularies spell <0x0A>.
+    """
+
+    def __init__(self, strip_leading_space: bool) -> None:
+        self.strip_leading_space = strip_leading_space
+
+    def decode_chain(self, tokens: list[str]) -> list[str]:
+        parts: list[str] = []
+        run = bytearray()
+        for token in tokens:
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                try:
+                    run.append(int(token[3:5], 16))
+                    continue
+                except ValueError:
+                    pass
+            if run:
+                parts.append(_utf8_per_byte_replacement(bytes(run)))
+                run.clear()
+            parts.append(token.replace("▁", " "))
+        if run:
+            parts.append(_utf8_per_byte_replacement(bytes(run)))
+        text = "".join(parts)
+        if self.strip_leading_space and text.startswith(" "):
+            text = text[1:]
+        return [text]
+
+    def decode(self, tokens: list[str]) -> str:
+        return "".join(self.decode_chain(tokens))
+
+
+def _utf8_per_byte_replacement(data: bytes) -> str:
+    # surrogateescape maps each invalid byte to its own lone surrogate, which valid UTF-8 never yields
+    return _LONE_SURROGATES.sub("\ufffd", data.decode("utf-8", errors="surrogateescape"))
+
+
 def _add_special_tokens(inner: RustTokenizer, tokens: list[str], types: list[int]) -> None:
     added = [AddedToken(tok, special=(kind == _TOKEN_TYPE_CONTROL), normalized=False)
              for tok, kind in zip(tokens, types)
@@ -142,9 +188,12 @@ def tokenizer_from_gguf_fields(field: Callable[[str], Any], source: str) -> Toke
         inner = RustTokenizer(models.BPE(vocab, spm_merges_from_scores(tokens, scores), fuse_unk=True,
                                          byte_fallback=True,
                                          unk_token=tokens[unk] if unk is not None else None))
-        inner.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        inner.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        # SentencePiece's add_dummy_prefix: a "▁" before the text, stripped again when decoding.
+        space_prefix = field("tokenizer.ggml.add_space_prefix")
+        space_prefix = True if space_prefix is None else bool(space_prefix)
+        prepend = [normalizers.Prepend("▁")] if space_prefix else []
+        inner.normalizer = normalizers.Sequence([*prepend, normalizers.Replace(" ", "▁")])
+        inner.decoder = decoders.Decoder.custom(_SentencePieceDecoder(strip_leading_space=space_prefix))
         default_add_bos = True
     else:
         raise TokenizerError(f"{source}: GGUF tokenizer model {kind!r} is not supported "
