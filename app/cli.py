@@ -1,4 +1,4 @@
-"""The `kvfence` command: `generate` (offline, colocated) and `fetch`."""
+"""The `kvfence` command: `serve`, `generate` (offline, colocated) and `fetch`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvfence.app.environment import kvfence_home
 
@@ -35,6 +36,32 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap PROMPT as one user message in the chat template")
     gen.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object with ids and text")
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
+    srv.add_argument("--model", default=None,
+                     help="GGUF file, Hugging Face model directory, or known name (default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    srv.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    srv.add_argument("--disaggregation", choices=["on", "off"], default=None,
+                     help="on: separate prefill and decode workers with a KV transport (default); off: one worker")
+    srv.add_argument("--transport", default=None, help="KV transport plugin (default tcp)")
+    srv.add_argument("--prefill-device", default=None, help="auto, cpu or cuda:N")
+    srv.add_argument("--decode-device", default=None, help="auto, cpu or cuda:N")
+    srv.add_argument("--page-size", type=int, default=None, dest="page_size_tokens", help="tokens per KV page")
+    srv.add_argument("--prefill-num-pages", type=int, default=None)
+    srv.add_argument("--decode-num-pages", type=int, default=None)
+    srv.add_argument("--prefill-kv-memory", default=None, help="prefill KV pool size, e.g. 1GiB")
+    srv.add_argument("--decode-kv-memory", default=None, help="decode KV pool size, e.g. 2GiB")
+    srv.add_argument("--max-context", type=int, default=None, help="longest prompt + completion, in tokens")
+    srv.add_argument("--max-running", type=int, default=None, help="requests holding pages at once")
+    srv.add_argument("--max-queue", type=int, default=None, help="requests waiting for pages before 503")
+    srv.add_argument("--chunk-tokens", type=int, default=None, help="prefill chunk size in tokens")
+    srv.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",
+                     help="seconds in-flight requests get to finish after SIGTERM")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    srv.add_argument("--log-level", default="info")
 
     fetch = sub.add_parser("fetch", help="fetch a known model into the cache and print its path")
     fetch.add_argument("model", nargs="?", default=None)
@@ -80,6 +107,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    import anyio
+
+    from kvfence.app.config import load_config
+    from kvfence.app.server import serve
+    from kvfence.engine.loading import load_model_spec
+    from kvfence.engine.model_registry import served_name
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(vars(args), os.environ, args.config)
+    checkpoint = load_model_spec(config.model, kvfence_home())
+    name = args.served_model_name or served_name(config.model)
+    anyio.run(serve, config, checkpoint, name)
+    return 0
+
+
 def _fetch(args: argparse.Namespace) -> int:
     from kvfence.engine.model_registry import resolve_model
 
@@ -95,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         return _fetch(args)
     except (ValueError, FileNotFoundError, CheckpointError, FetchError) as e:
         print(f"kvfence: error: {e}", file=sys.stderr)

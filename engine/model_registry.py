@@ -142,3 +142,17 @@ def resolve_model(spec: str | None, home: Path, progress: bool = True) -> Path:
         return fetch_known_model(known, home, progress)
     names = ", ".join(m.name for m in KNOWN_MODELS)
     raise FileNotFoundError(f"--model {spec!r} is neither an existing path nor a known model ({names})")
+
+
+def served_name(spec: str | None) -> str:
+    """The model id clients use: a known model's name (also for its cached file), else the path's stem."""
+    if spec is None:
+        return DEFAULT_MODEL.name
+    known = find_known_model(spec)
+    if known is not None:
+        return known.name
+    path = Path(spec)
+    for model in KNOWN_MODELS:
+        if path.name == model.filename:
+            return model.name
+    return path.stem if path.suffix == ".gguf" else path.name

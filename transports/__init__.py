@@ -1,0 +1,13 @@
+"""KV transfer plugins: the interface (`base`), the registry, and the built-in transports.
+
+    base            the Transport ABC and its records (fixed interface)
+    registry        transport_class(name) / create_transport(name, **kw): built-ins + entry points
+    digest          page digests ("xxh3_64", "none")
+    pool_view       byte views of a registered pool, page by page
+    receiver_state  the receiver's pure state machine (expect / admit / finish / abort / cancel)
+    receiver        PoolReceiver: that state machine + the pool + completion waiters
+    sender_state    OutgoingPush(es): in-flight pushes and their cancellation flags
+    endpoint        PoolEndpoint: what tcp and inprocess share (expect, completion, cancel, checks)
+    tcp, tcp_wire, tcp_io, tcp_send, tcp_receive   the TCP transport
+    inprocess       the in-process transport (endpoints meet through an InProcessHub)
+"""

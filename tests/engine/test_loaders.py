@@ -20,7 +20,7 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.model_config import UnsupportedModelError
 
-# tiny_models sits in tests/engine/: pytest's default (prepend) import mode puts this directory, not the rootdir, on sys.path.
+# tiny_models sits in tests/: pytest (prepend import mode) puts that folder on sys.path for tests/conftest.py.
 from tiny_models import CHAT_TEMPLATE, TENSOR_TYPES, TinySpec, llama_cpp_permute, make_tiny_pair
 
 PAGE_SIZE = 4

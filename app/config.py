@@ -1,0 +1,105 @@
+"""Server settings: one frozen dataclass, filled from defaults < TOML file < KVFENCE_* env < flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    disaggregation: str = "on"  # "on": prefill and decode workers + transport; "off": one colocated worker
+    transport: str = "tcp"
+    prefill_device: str = "auto"
+    decode_device: str = "auto"
+    page_size_tokens: int = 16
+    prefill_num_pages: int | None = None  # default: from prefill_kv_memory, else 2 contexts
+    decode_num_pages: int | None = None  # default: from decode_kv_memory, else 4 contexts
+    prefill_kv_memory: str | None = None  # e.g. "2GiB"
+    decode_kv_memory: str | None = None
+    max_context: int | None = None  # default: the model's context
+    max_running: int = 64
+    max_queue: int = 256
+    chunk_tokens: int = 512
+    shutdown_timeout_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.disaggregation not in ("on", "off"):
+            raise ValueError(f"--disaggregation must be 'on' or 'off', got {self.disaggregation!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        for name in ("page_size_tokens", "max_running", "chunk_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("prefill_num_pages", "decode_num_pages", "max_context"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        for name in ("prefill_kv_memory", "decode_kv_memory"):
+            if getattr(self, name) is not None:
+                parse_bytes(getattr(self, name))
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '1048576' -> bytes."""
+    s = text.strip().lower().replace(" ", "")
+    digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(digits):]
+    try:
+        value = float(digits) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read {text!r} as a size; use e.g. 512MiB or 2GiB") from None
+    if value <= 0:
+        raise ValueError(f"a memory size must be > 0, got {text!r}")
+    return int(value)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = _FIELDS[name].type
+    if value is None or not isinstance(value, str):
+        return value
+    if "int" in str(kind):
+        return int(value)
+    if "float" in str(kind):
+        return float(value)
+    return value
+
+
+def load_config(flags: Mapping[str, Any], environ: Mapping[str, str], config_file: Path | None) -> ServeConfig:
+    """Merge the sources; unknown keys in the file or KVFENCE_ variables that look like settings are errors."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            data = tomllib.loads(config_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"--config {config_file}: {e}") from e
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in _FIELDS:
+                raise ValueError(f"--config {config_file}: unknown setting {key!r}")
+            values[name] = value
+    for name in _FIELDS:
+        env = environ.get("KVFENCE_" + name.upper())
+        if env is not None:
+            try:
+                values[name] = _coerce(name, env)
+            except ValueError:
+                raise ValueError(f"KVFENCE_{name.upper()}={env!r} is not a valid value") from None
+    values.update({k: v for k, v in flags.items() if k in _FIELDS and v is not None})
+    return ServeConfig(**values)

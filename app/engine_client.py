@@ -1,0 +1,29 @@
+"""The interface the HTTP layer needs from the serving core (the scheduler implements it)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.scheduler.handle import RequestHandle
+
+
+class EngineClient(Protocol):
+    model_name: str
+    tokenizer: Tokenizer
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The longest prompt + max_tokens any request may have (advertised in /v1/models)."""
+        ...
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+        """Admit a request or raise `AdmissionRejected` (400 / 503, nothing reserved).
+
+        `sampling.max_tokens` is always set by the caller (the API fills the default)."""
+        ...
+
+    def is_ready(self) -> bool:
+        """True when the serving path has passed its readiness check and is not draining."""
+        ...

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP API (starlette) on top of an `EngineClient`.
+
+Contracts:
+- Every refusal (bad body, unknown model, context too long, admission rejected) is an OpenAI error
+  envelope with a 4xx/5xx status, returned before any stream starts; `engine.submit` is only called
+  for a request that passed every check here.
+- A request that fails after admission never reports success: non-stream answers with the error's
+  status, a stream sends one `data: {"error": ...}` event and ends without a finish_reason or [DONE].
+- When the client goes away before the request's terminal delta (stream or not), the request's
+  handle is aborted; so is it when the response is cancelled for any other reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvfence.app import openai_schemas as s
+from kvfence.app.engine_client import EngineClient
+from kvfence.app.http_errors import (context_too_long, decode_body, error_envelope, error_response,
+                                     from_sampling_error, http_exception_handler, internal_error,
+                                     model_not_found, server_error_handler)
+from kvfence.engine.chat_template import ChatTemplateError, render_chat
+from kvfence.engine.sampling import SamplingParams
+from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.handle import RequestHandle
+
+_SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"))
+_DONE = b"data: [DONE]\n\n"
+_NOT_READY_RETRY_AFTER_S = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A request that passed every check: what to submit and how to answer."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    chat: bool
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+class _Shape:
+    """Builds the response bodies and stream chunks of one chat or text completion."""
+
+    def __init__(self, prep: _Prepared, request_id: str) -> None:
+        self.chat = prep.chat
+        self.id = ("chatcmpl-" if prep.chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.model = prep.model
+        self.usage_field: Any = None if prep.include_usage else msgspec.UNSET
+
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> msgspec.Struct:
+        if self.chat:
+            delta = s.ChatDelta(role="assistant" if role else msgspec.UNSET,
+                                content=msgspec.UNSET if text is None else text)
+            return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
+                                         choices=[s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)])
+        return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
+                                choices=[s.CompletionChoice(index=0, text=text or "", finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage: s.Usage) -> msgspec.Struct:
+        kind = s.ChatCompletionChunk if self.chat else s.TextCompletion
+        return kind(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+
+    def whole(self, text: str, finish_reason: str, usage: s.Usage) -> msgspec.Struct:
+        if self.chat:
+            choice = s.ChatChoice(index=0, message=s.AssistantMessage(content=text), finish_reason=finish_reason)
+            return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
+        return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
+                                choices=[s.CompletionChoice(index=0, text=text, finish_reason=finish_reason)])
+
+
+class _GenerationResponse(Response):
+    """ASGI response for one admitted request (stream or not). A task watches `receive` for
+    http.disconnect and cancels the response; the handle is aborted in `finally` unless its
+    terminal delta was seen (abort is idempotent)."""
+
+    def __init__(self, handle: RequestHandle, prep: _Prepared, encoder: msgspec.json.Encoder) -> None:
+        self.handle, self.prep, self.encoder = handle, prep, encoder
+        self.shape = _Shape(prep, handle.request_id)
+        self.status_code, self.background, self.raw_headers = 200, None, list(_SSE_HEADERS if prep.stream else ())
+        self.finished = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+                if self.prep.stream:
+                    await self._stream(send)
+                else:
+                    await self._whole(scope, receive, send)
+                tg.cancel_scope.cancel()
+        except OSError:
+            pass  # ASGI >= 2.4 servers raise from send() once the client is gone
+        finally:
+            if not self.finished:
+                self.handle.abort()
+
+    def _usage(self, completion_tokens: int) -> s.Usage:
+        prompt = len(self.prep.prompt_ids)
+        return s.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                       total_tokens=prompt + completion_tokens)
+
+    async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
+        texts: list[str] = []
+        completion_tokens = 0
+        response: Response = error_response(internal_error("the request ended without a result"), self.encoder)
+        async with contextlib.aclosing(self.handle.deltas()) as deltas:
+            async for delta in deltas:
+                if delta.error is not None:
+                    self.finished = True
+                    response = error_response(delta.error, self.encoder)
+                    break
+                texts.append(delta.text)
+                completion_tokens += len(delta.token_ids)
+                if delta.finish_reason is not None:
+                    self.finished = True
+                    body = self.shape.whole("".join(texts), delta.finish_reason, self._usage(completion_tokens))
+                    response = Response(self.encoder.encode(body), media_type="application/json")
+                    break
+        await response(scope, receive, send)
+
+    async def _stream(self, send: Send) -> None:
+        async def event(obj: msgspec.Struct) -> None:
+            data = b"data: " + self.encoder.encode(obj) + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        if self.shape.chat:
+            await event(self.shape.chunk("", None, role=True))
+        completion_tokens = 0
+        failure: RequestError = internal_error("the request ended without a result")
+        async with contextlib.aclosing(self.handle.deltas()) as deltas:
+            async for delta in deltas:
+                if delta.error is not None:
+                    self.finished = True
+                    failure = delta.error
+                    break
+                completion_tokens += len(delta.token_ids)
+                if delta.text or (delta.finish_reason is not None and not self.shape.chat):
+                    await event(self.shape.chunk(delta.text, None if self.shape.chat else delta.finish_reason))
+                if delta.finish_reason is not None:
+                    self.finished = True
+                    if self.shape.chat:
+                        await event(self.shape.chunk(None, delta.finish_reason))
+                    if self.prep.include_usage:
+                        await event(self.shape.usage_chunk(self._usage(completion_tokens)))
+                    await send({"type": "http.response.body", "body": _DONE, "more_body": False})
+                    return
+        await event(error_envelope(failure))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+class _Api:
+    """The route handlers of one app; holds the engine, one JSON encoder and the decoders."""
+
+    def __init__(self, engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None) -> None:
+        self.engine = engine
+        self.metrics_text = metrics_text
+        self.encoder = msgspec.json.Encoder()
+        self.chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
+        self.completion_decoder = msgspec.json.Decoder(s.CompletionRequest)
+        self.created = int(time.time())
+
+    def json(self, obj: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+        return Response(self.encoder.encode(obj), status_code=status_code, headers=headers,
+                        media_type="application/json")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        try:
+            body = await request.body()
+            if chat:
+                prep = self._prepare_chat(decode_body(self.chat_decoder, body))
+            else:
+                prep = self._prepare_completion(decode_body(self.completion_decoder, body))
+            handle = self.engine.submit(prep.prompt_ids, prep.sampling)
+        except RequestError as err:
+            return error_response(err, self.encoder)
+        return _GenerationResponse(handle, prep, self.encoder)
+
+    def _check(self, req: s.ChatCompletionRequest | s.CompletionRequest) -> None:
+        s.check_common(req)
+        if req.model != self.engine.model_name:
+            raise model_not_found(req.model, self.engine.model_name)
+
+    def _prepare_chat(self, req: s.ChatCompletionRequest) -> _Prepared:
+        self._check(req)
+        messages = s.chat_messages(req)
+        tok = self.engine.tokenizer
+        try:
+            text = render_chat(tok.chat_template, messages, bos_token=tok.special_token_text(tok.bos_token_id))
+        except ChatTemplateError as e:
+            raise s.invalid("messages", str(e), "invalid_messages") from e
+        return self._finish(req, tok.encode(text, add_bos=False), chat=True, where="messages")
+
+    def _prepare_completion(self, req: s.CompletionRequest) -> _Prepared:
+        self._check(req)
+        prompt = s.completion_prompt(req)
+        tok = self.engine.tokenizer
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+        else:
+            bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
+            if bad:
+                raise s.invalid("prompt", f"token ids must be in [0, {tok.vocab_size}) for this model, "
+                                          f"got {bad[:5]}")
+            ids = prompt
+        return self._finish(req, ids, chat=False, where="prompt")
+
+    def _finish(self, req: s.ChatCompletionRequest | s.CompletionRequest, ids: list[int], *, chat: bool,
+                where: str) -> _Prepared:
+        if not ids:
+            raise s.invalid(where, f"the {where} must not be empty (it encodes to no tokens)")
+        max_tokens, max_param = s.requested_max_tokens(req)
+        limit = self.engine.max_context_tokens
+        too_long = context_too_long(limit, len(ids), max_tokens, prompt_param=where, max_tokens_param=max_param,
+                                    where=where)
+        if too_long is not None:
+            raise too_long
+        try:
+            sampling = SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                seed=req.seed,
+                max_tokens=limit - len(ids) if max_tokens is None else max_tokens,
+                stop=s.stop_strings(req),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=bool(req.ignore_eos))
+        except ValueError as e:
+            raise from_sampling_error(e, max_param) from e
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _Prepared(prompt_ids=ids, sampling=sampling, chat=chat, stream=bool(req.stream),
+                         include_usage=include_usage, model=self.engine.model_name)
+
+    async def models(self, request: Request) -> Response:
+        card = s.ModelCard(id=self.engine.model_name, created=self.created,
+                           max_model_len=self.engine.max_context_tokens)
+        return self.json(s.ModelList(data=[card]))
+
+    async def health(self, request: Request) -> Response:
+        return self.json({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        if self.engine.is_ready():
+            return self.json({"status": "ready"})
+        return self.json({"status": "not_ready"}, 503, {"Retry-After": str(_NOT_READY_RETRY_AFTER_S)})
+
+    async def metrics(self, request: Request) -> Response:
+        if self.metrics_text is None:
+            return error_response(RequestError(404, "not_found", "metrics are not enabled on this server"),
+                                  self.encoder)
+        body, content_type = self.metrics_text()
+        return Response(body, headers={"content-type": content_type})
+
+
+def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None = None) -> Starlette:
+    """The OpenAI-compatible app: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    GET /health, GET /ready (503 + Retry-After while not ready), GET /metrics (`metrics_text()`
+    -> (body, content type); 404 when None)."""
+    api = _Api(engine, metrics_text)
+    routes = [
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/ready", api.ready, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_exception_handler,
+                                                        Exception: server_error_handler})

@@ -1,0 +1,140 @@
+"""`kvfence serve`: one asyncio process with the HTTP front end, the scheduler and the workers.
+
+Every long-lived task (hypercorn, worker loops, transfers, transport endpoints, the signal
+watcher) runs in one task group; leaving it cancels them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import time
+
+import anyio
+import anyio.abc
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+
+from kvfence.app.config import ServeConfig
+from kvfence.app.http_api import build_app
+from kvfence.app.workers import build_workers
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.engine.worker import WorkerChannel
+from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core import Scheduler
+from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.ids import mint_id
+from kvfence.scheduler.messages import id_hex
+from kvfence.scheduler.metrics import SchedulerMetrics
+from kvfence.scheduler.transfer import TransferLink
+from kvfence.transports.base import PairingRecord
+from kvfence.transports.registry import transport_class
+
+log = logging.getLogger(__name__)
+
+PAGE_LAYOUT = "pages,layers,kv,kv_heads,page_size,head_dim"
+
+
+class ServingEngine:
+    """What the HTTP layer talks to (app/engine_client.EngineClient)."""
+
+    def __init__(self, model_name: str, tokenizer: Tokenizer, scheduler: Scheduler) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.started = False
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.scheduler.max_context_tokens
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+        return self.scheduler.submit(prompt_token_ids, sampling)
+
+    def is_ready(self) -> bool:
+        return self.started and not self.scheduler.draining
+
+
+def model_identity(checkpoint: Checkpoint, name: str) -> str:
+    digest = hashlib.sha256(repr(checkpoint.config).encode()).hexdigest()[:16]
+    return f"{name}@{digest}"
+
+
+async def _drain_on_signal(scheduler: Scheduler, shutdown: anyio.Event, timeout_s: float) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: draining (up to %g s)", signal.Signals(signum).name, timeout_s)
+            scheduler.draining = True
+            deadline = time.monotonic() + timeout_s
+            while scheduler.in_flight() and time.monotonic() < deadline:
+                await anyio.sleep(0.05)
+            if scheduler.in_flight():
+                log.warning("shutdown timeout: %d requests still in flight", scheduler.in_flight())
+            shutdown.set()
+            return
+
+
+async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) -> None:
+    workers = build_workers(config, checkpoint)
+    prefill_pool = workers.prefill.pool
+    decode_pool = workers.decode.pool if workers.decode is not None else prefill_pool
+    context = min(workers.max_context_tokens, prefill_pool.capacity_tokens, decode_pool.capacity_tokens)
+    metrics = SchedulerMetrics()
+    async with anyio.create_task_group() as tg:
+        link = None
+        transports = []
+        if workers.decode is not None:
+            transport_cls = transport_class(config.transport)
+            record = PairingRecord(
+                model=model_identity(checkpoint, model_name), dtype=str(workers.dtype).removeprefix("torch."),
+                page_size_tokens=config.page_size_tokens, page_nbytes=prefill_pool.page_nbytes,
+                page_layout=PAGE_LAYOUT, digest="xxh3_64", max_context_tokens=context,
+                incarnation=id_hex(mint_id()))
+            sender, receiver = transport_cls(), transport_cls()
+            transports = [sender, receiver]
+            receiver_info = await receiver.start(tg, decode_pool.data, record)
+            await sender.start(tg, prefill_pool.data, record)
+            peer = await sender.pair(receiver_info)
+            link = TransferLink(sender, receiver, peer, config.page_size_tokens, prefill_pool.page_nbytes)
+            log.info("paired prefill -> decode over %s (%s)", config.transport, receiver_info.address)
+        scheduler = Scheduler(
+            SchedulerConfig(page_size_tokens=config.page_size_tokens, max_context_tokens=context,
+                            max_running=config.max_running, max_queue=config.max_queue,
+                            chunk_tokens=config.chunk_tokens, disaggregated=workers.decode is not None,
+                            transfer_timeout_s=config.transfer_timeout_s),
+            checkpoint.tokenizer, WorkerChannel(workers.prefill),
+            WorkerChannel(workers.decode) if workers.decode is not None else None,
+            prefill_pages=prefill_pool.num_pages, decode_pages=decode_pool.num_pages, link=link, metrics=metrics)
+        await scheduler.run(tg)
+        engine = ServingEngine(model_name, checkpoint.tokenizer, scheduler)
+
+        def metrics_text() -> tuple[bytes, str]:
+            scheduler.refresh_metrics()
+            return metrics.render()
+
+        app = build_app(engine, metrics_text)
+        hyper = HypercornConfig()
+        hyper.bind = [f"{config.host}:{config.port}"]
+        hyper.accesslog = None
+        hyper.graceful_timeout = 1.0
+        shutdown = anyio.Event()
+        tg.start_soon(_drain_on_signal, scheduler, shutdown, config.shutdown_timeout_s)
+        engine.started = True
+        log.info("serving %s on http://%s:%d (context %d tokens, %s)", model_name, config.host, config.port,
+                 context, "disaggregated" if workers.decode is not None else "colocated")
+        served = anyio.Event()
+
+        async def run_http() -> None:
+            # In its own task: hypercorn's asyncio.TaskGroup must not have the task-group owner as
+            # its parent, or its shutdown cancellation leaks into anyio's cancel scope accounting.
+            await hypercorn_serve(app, hyper, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+            served.set()
+
+        tg.start_soon(run_http, name="http")
+        await served.wait()
+        for t in transports:
+            await t.aclose()
+        tg.cancel_scope.cancel()

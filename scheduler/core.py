@@ -1,0 +1,350 @@
+"""The scheduler: admission, page reservation, dispatch to workers, output, release.
+
+Decisions are synchronous (admission, planning, accounting); only dispatch awaits. One asyncio
+task per worker loop plus one per KV transfer, all in the server's task group.
+
+Page ownership: every request gets a lease per pool it uses (minted here, 128-bit). The ledger
+hands pages to a lease at admission; the worker tags them with the lease when the first message
+that uses them arrives; releasing a lease returns its pages to the ledger at once and the worker
+untags them in the next message it receives (before any new grant in that message).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import anyio
+from anyio.abc import TaskGroup
+
+from kvfence.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.engine.worker import WorkerChannel
+from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.errors import AdmissionRejected, RequestError, context_length_exceeded, overloaded
+from kvfence.scheduler.handle import OutputDelta, RequestHandle
+from kvfence.scheduler.ids import mint_id
+from kvfence.scheduler.messages import PageGrant, RunStep, SeqStep, StepDone, id_hex
+from kvfence.scheduler.metrics import SchedulerMetrics
+from kvfence.scheduler.page_ledger import PageLedger
+from kvfence.scheduler.policy import decode_step, prefill_chunks
+from kvfence.scheduler.request import Request, State
+from kvfence.scheduler.transfer import TransferLink
+
+log = logging.getLogger(__name__)
+
+
+class _Pool:
+    """The scheduler's view of one worker: its ledger, channel, and page-tag changes not yet sent."""
+
+    def __init__(self, channel: WorkerChannel, num_pages: int) -> None:
+        self.channel = channel
+        self.ledger = PageLedger(num_pages)
+        self.grants: list[PageGrant] = []
+        self.released: list[int] = []
+
+    def release(self, lease: int) -> None:
+        if lease:
+            self.released.extend(self.ledger.release(lease))
+
+    def message(self, step_id: int, seqs: list[SeqStep]) -> RunStep:
+        msg = RunStep(step_id, seqs, self.grants, self.released)
+        self.grants, self.released = [], []
+        return msg
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, prefill: WorkerChannel,
+                 decode: WorkerChannel | None, *, prefill_pages: int, decode_pages: int,
+                 link: TransferLink | None = None, metrics: SchedulerMetrics | None = None) -> None:
+        if config.disaggregated != (decode is not None and link is not None):
+            raise ValueError("disaggregated mode needs a decode worker and a transfer link; colocated needs neither")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.prefill = _Pool(prefill, prefill_pages)
+        self.decode = _Pool(decode, decode_pages) if decode is not None else self.prefill
+        self.link = link
+        self.metrics = metrics or SchedulerMetrics()
+        self.queue: deque[Request] = deque()  # admitted, waiting for pages
+        self.prefilling: list[Request] = []
+        self.decoding: list[Request] = []
+        self.transferring: set[Request] = set()
+        # Decode leases whose pages a transfer may still write (cancellation not acknowledged).
+        self.quarantined_decode_leases: set[int] = set()
+        self.draining = False
+        self._step_id = 0
+        self._prefill_work = anyio.Event()  # one wake-up event per loop, so none is missed
+        self._decode_work = anyio.Event()
+        self._task_group: TaskGroup | None = None
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.config.max_context_tokens
+
+    def refresh_metrics(self) -> None:
+        pools = [("colocated", self.prefill)] if self.decode is self.prefill else \
+            [("prefill", self.prefill), ("decode", self.decode)]
+        for role, pool in pools:
+            quarantined = sum(len(pool.ledger.pages(lease)) for lease in self.quarantined_decode_leases) \
+                if pool is self.decode else 0
+            pool_used = pool.ledger.num_used - quarantined
+            self.metrics.pool(role, pool.ledger.num_pages, pool_used, quarantined)
+        self.metrics.queue_sizes(len(self.queue), len(self.prefilling) + len(self.decoding) + len(self.transferring))
+
+    def in_flight(self) -> int:
+        """Requests admitted and not yet ended."""
+        return len(self.queue) + len(self.prefilling) + len(self.transferring) + len(self.decoding)
+
+    def pages_in_use(self) -> dict[str, int]:
+        """Pages held per role (the baseline is 0 when idle; quarantined pages count as held)."""
+        if self.decode is self.prefill:
+            return {"colocated": self.prefill.ledger.num_used}
+        return {"prefill": self.prefill.ledger.num_used, "decode": self.decode.ledger.num_used}
+
+    # ---- admission (synchronous) ----
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
+        """Admit or raise AdmissionRejected; nothing is reserved for a rejected request."""
+        limit = self.config.max_context_tokens
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt)
+        if not prompt:
+            raise AdmissionRejected(400, "invalid_prompt", "the prompt is empty", param="prompt")
+        if len(prompt) >= limit or len(prompt) + max_tokens > limit:
+            self.metrics.rejected("context_length")
+            raise context_length_exceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the completion).",
+                param="max_tokens" if len(prompt) < limit else "messages")
+        if self.draining:
+            self.metrics.rejected("draining")
+            raise overloaded("the server is shutting down; retry on another replica", retry_after_s=5)
+        would_wait = bool(self.queue) or self._num_running() >= self.config.max_running \
+            or not self._can_reserve(prompt, max_tokens)
+        if would_wait and len(self.queue) >= self.config.max_queue:
+            self.metrics.rejected("queue_full")
+            raise overloaded(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
+        request_id = id_hex(mint_id())
+        req = Request(request_id, list(prompt), params, max_tokens, handle=None,  # type: ignore[arg-type]
+                      detok=IncrementalDetokenizer(self.tokenizer, prompt), stops=StopStringMatcher(params.stop),
+                      tokens=list(prompt))
+        req.handle = RequestHandle(request_id, req.prompt, lambda: self.abort(req))
+        self.queue.append(req)
+        self._reserve_queued()
+        self.metrics.queue_sizes(len(self.queue), self._num_running())
+        self._wake()
+        return req.handle
+
+    def _num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding) + len(self.transferring)
+
+    def _can_reserve(self, prompt: list[int], max_tokens: int) -> bool:
+        need_decode = self.config.pages_for(len(prompt) + max_tokens)
+        if self.decode is self.prefill:
+            return self.prefill.ledger.can_reserve(need_decode)
+        return (self.prefill.ledger.can_reserve(self.config.pages_for(len(prompt)))
+                and self.decode.ledger.can_reserve(need_decode))
+
+    def _reserve_queued(self) -> None:
+        """Reserve pages for queued requests in FIFO order while they fit and slots are free."""
+        while self.queue and self._num_running() < self.config.max_running:
+            req = self.queue[0]
+            if not self._can_reserve(req.prompt, req.max_tokens):
+                return
+            self.queue.popleft()
+            total = len(req.prompt) + req.max_tokens
+            if self.decode is self.prefill:
+                req.prefill_lease = req.decode_lease = mint_id()
+                req.prefill_pages = req.decode_pages = self._grant(self.prefill, req.prefill_lease, total)
+            else:
+                req.prefill_lease, req.decode_lease = mint_id(), mint_id()
+                req.prefill_pages = self._grant(self.prefill, req.prefill_lease, len(req.prompt))
+                req.decode_pages = self._grant(self.decode, req.decode_lease, total)
+            req.advance(State.PREFILLING)
+            self.prefilling.append(req)
+
+    def _grant(self, pool: _Pool, lease: int, num_tokens: int) -> list[int]:
+        pages = pool.ledger.reserve(lease, self.config.pages_for(num_tokens))
+        if pages is None:  # _can_reserve said yes a moment ago, synchronously
+            raise RuntimeError("ledger refused a reservation it had just allowed")
+        pool.grants.append(PageGrant(id_hex(lease), pages))
+        return pages
+
+    # ---- abort and release ----
+
+    def abort(self, req: Request) -> None:
+        """Client gone: end the request; pages come back when no worker or transfer can touch them."""
+        if req.state.terminal or req.abort_requested:
+            return
+        req.abort_requested = True
+        if req in self.queue:  # nothing reserved yet
+            self.queue.remove(req)
+            self._end(req, RequestError(499, "client_closed", "the client closed the request"), aborted=True)
+        self._wake()
+
+    def _end(self, req: Request, error: RequestError | None, aborted: bool = False, reason: str = "",
+             tail: str = "", tail_ids: list[int] | None = None) -> None:
+        """Terminal transition plus release of every page the request holds."""
+        ended = req.fail(error, aborted=aborted) if error is not None else req.finish(reason, tail, tail_ids)
+        if ended:
+            self.metrics.finished(req)
+        for group in (self.prefilling, self.decoding):
+            if req in group:
+                group.remove(req)
+        self.prefill.release(req.prefill_lease)
+        if self.decode is not self.prefill:
+            self.decode.release(req.decode_lease)
+        req.prefill_lease = req.decode_lease = 0
+        self._reserve_queued()
+        self._wake()
+
+    def _drop_aborted(self, group: list[Request]) -> None:
+        for req in [r for r in group if r.abort_requested]:
+            self._end(req, RequestError(499, "client_closed", "the client closed the request"), aborted=True)
+
+    # ---- output ----
+
+    def _accept_token(self, req: Request, token: int) -> None:
+        req.tokens.append(token)
+        self.metrics.token(req)
+        p = req.params
+        if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
+            tail = req.stops.push(req.detok.flush())[0] + req.stops.flush()
+            self._end(req, None, reason="stop", tail=tail, tail_ids=[token])
+            return
+        text, matched = req.stops.push(req.detok.push(token))
+        if matched:
+            self._end(req, None, reason="stop", tail=text, tail_ids=[token])
+        elif req.num_generated >= req.max_tokens:
+            text += req.stops.push(req.detok.flush())[0]
+            if req.stops.matched:
+                self._end(req, None, reason="stop", tail=text, tail_ids=[token])
+            else:
+                self._end(req, None, reason="length", tail=text + req.stops.flush(), tail_ids=[token])
+        else:
+            req.handle.push(OutputDelta(text, [token]))
+
+    def _fail_step(self, reqs: list[Request], message: str) -> None:
+        for req in reqs:
+            self._end(req, RequestError(500, "worker_error", f"the model step failed: {message}"))
+
+    # ---- loops ----
+
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
+
+    def _wake(self) -> None:
+        self._prefill_work.set()
+        self._decode_work.set()
+
+    async def _wait_for_prefill_work(self) -> None:
+        await self._prefill_work.wait()
+        self._prefill_work = anyio.Event()
+
+    async def _wait_for_decode_work(self) -> None:
+        await self._decode_work.wait()
+        self._decode_work = anyio.Event()
+
+    async def run(self, task_group: TaskGroup) -> None:
+        """Start the worker loops in `task_group` (they run until it is cancelled)."""
+        self._task_group = task_group
+        if self.config.disaggregated:
+            task_group.start_soon(self._prefill_loop, name="prefill-loop")
+            task_group.start_soon(self._decode_loop, name="decode-loop")
+        else:
+            task_group.start_soon(self._colocated_loop, name="colocated-loop")
+
+    async def _colocated_loop(self) -> None:
+        while True:
+            self._drop_aborted(self.prefilling)
+            self._drop_aborted(self.decoding)
+            decodes = list(self.decoding)
+            seqs = [decode_step(r, r.decode_lease, r.decode_pages, len(r.tokens) - 1) for r in decodes]
+            chunks = prefill_chunks(self.prefilling, self.config.chunk_tokens - len(seqs))
+            if not seqs and not chunks:
+                await self._wait_for_prefill_work()
+                continue
+            reply = await self.prefill.channel.call(self.prefill.message(self._next_step_id(), seqs + [s for _, s in chunks]))
+            if not isinstance(reply, StepDone):
+                self._fail_step(decodes + [r for r, _ in chunks], reply.message)
+                continue
+            for req, token in zip(decodes, reply.tokens):
+                if not req.state.terminal and token is not None:
+                    self._accept_token(req, token)
+            for (req, seq), token in zip(chunks, reply.tokens[len(seqs):]):
+                req.prefilled += len(seq.token_ids)
+                if token is not None and not req.state.terminal:
+                    self.prefilling.remove(req)
+                    req.advance(State.DECODING)
+                    self.decoding.append(req)
+                    self._accept_token(req, token)
+
+    async def _prefill_loop(self) -> None:
+        if self._task_group is None:
+            raise RuntimeError("run() starts the loops")
+        while True:
+            self._drop_aborted(self.prefilling)
+            chunks = prefill_chunks(self.prefilling, self.config.chunk_tokens)
+            if not chunks:
+                await self._wait_for_prefill_work()
+                continue
+            reply = await self.prefill.channel.call(self.prefill.message(self._next_step_id(), [s for _, s in chunks]))
+            if not isinstance(reply, StepDone):
+                self._fail_step([r for r, _ in chunks], reply.message)
+                continue
+            for (req, seq), token in zip(chunks, reply.tokens):
+                req.prefilled += len(seq.token_ids)
+                if token is not None and not req.state.terminal:
+                    self.prefilling.remove(req)
+                    req.advance(State.TRANSFERRING)
+                    req.pending_token = token
+                    self.transferring.add(req)
+                    self._task_group.start_soon(self._transfer, req, name=f"transfer-{req.request_id[:8]}")
+
+    async def _transfer(self, req: Request) -> None:
+        """Move the prompt's KV to the decode pool; the first token is emitted only after it landed."""
+        if self.link is None:
+            raise RuntimeError("a transfer needs a transfer link")
+        # Tag the destination pages before any byte can land in them.
+        await self.decode.channel.call(self.decode.message(self._next_step_id(), []))
+        result = await self.link.move(len(req.prompt), req.prefill_pages, req.decode_pages, req.decode_lease,
+                                      timeout_s=self.config.transfer_timeout_s)
+        self.transferring.discard(req)
+        self.metrics.transfer(result.ok, result.nbytes)
+        # push() has returned: the source pages are quiet whatever the outcome.
+        self.prefill.release(req.prefill_lease)
+        req.prefill_lease = 0
+        if req.abort_requested:
+            self._end(req, RequestError(499, "client_closed", "the client closed the request"), aborted=True)
+            return
+        if not result.quiet:  # a write may still land: the destination pages stay out of the free list
+            self.quarantined_decode_leases.add(req.decode_lease)
+            req.decode_lease = 0
+        if not result.ok:
+            log.warning("request %s: KV transfer failed (%s)", req.request_id, result.reason)
+            self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"))
+            return
+        req.advance(State.DECODING)
+        req.decoded_context = len(req.prompt)
+        self.decoding.append(req)
+        token, req.pending_token = req.pending_token, None
+        if token is not None:
+            self._accept_token(req, token)
+        self._wake()
+
+    async def _decode_loop(self) -> None:
+        while True:
+            self._drop_aborted(self.decoding)
+            decodes = list(self.decoding)
+            if not decodes:
+                await self._wait_for_decode_work()
+                continue
+            seqs = [decode_step(r, r.decode_lease, r.decode_pages, len(r.tokens) - 1) for r in decodes]
+            reply = await self.decode.channel.call(self.decode.message(self._next_step_id(), seqs))
+            if not isinstance(reply, StepDone):
+                self._fail_step(decodes, reply.message)
+                continue
+            for req, token in zip(decodes, reply.tokens):
+                if not req.state.terminal and token is not None:
+                    self._accept_token(req, token)

@@ -1,0 +1,72 @@
+"""Every message between the scheduler and a worker, as msgspec structs (one tagged union).
+
+Ids that name leases and transfers are 128-bit and travel as 32 hex digits. New fields get
+defaults so old and new peers interoperate.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvfence.engine.sampling import SamplingParams
+
+
+def id_hex(value: int) -> str:
+    return f"{value:032x}"
+
+
+def id_from_hex(text: str) -> int:
+    return int(text, 16)
+
+
+class SamplingSpec(msgspec.Struct, frozen=True):
+    """The part of SamplingParams a worker needs to pick a token."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> SamplingSpec:
+        return cls(p.temperature, p.top_p, p.top_k, p.seed)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+
+class SeqStep(msgspec.Struct, frozen=True):
+    lease: str
+    token_ids: list[int]  # a prefill chunk, or the one token to decode
+    context_tokens: int  # tokens of this sequence already in the worker's pool
+    page_table: list[int]
+    sampling: SamplingSpec | None  # None: an intermediate prefill chunk
+    output_index: int = 0
+
+
+class PageGrant(msgspec.Struct, frozen=True):
+    lease: str
+    pages: list[int]
+
+
+class RunStep(msgspec.Struct, frozen=True, tag="run_step"):
+    """Tag `grants` with their leases, untag `released`, then run one forward over `seqs`."""
+
+    step_id: int
+    seqs: list[SeqStep]
+    grants: list[PageGrant] = []
+    released: list[int] = []
+
+
+class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
+    step_id: int
+    tokens: list[int | None]  # sampled token per seq, in order
+
+
+class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
+    step_id: int
+    message: str
+
+
+WorkerRequest = RunStep
+WorkerReply = StepDone | StepFailed

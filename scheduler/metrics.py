@@ -1,0 +1,71 @@
+"""Prometheus metrics of one server (a registry per instance: no module-level state)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from kvfence.scheduler.request import Request
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvfence_requests", "Requests by final status", ["status"], registry=r)
+        self.ttft = Histogram("kvfence_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("kvfence_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("kvfence_e2e_request_latency_seconds", "Admission to last token",
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("kvfence_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("kvfence_generation_tokens", "Generated tokens", registry=r)
+        self.pages = Gauge("kvfence_kv_pages", "KV pages by role and state", ["role", "state"], registry=r)
+        self.waiting = Gauge("kvfence_requests_waiting", "Requests waiting for pages", registry=r)
+        self.running = Gauge("kvfence_requests_running", "Requests holding pages", registry=r)
+        self.transfers = Counter("kvfence_kv_transfers", "KV transfers by result", ["result"], registry=r)
+        self.transfer_bytes = Counter("kvfence_kv_transfer_bytes", "Bytes of KV moved", registry=r)
+        self.rejections = Counter("kvfence_admission_rejections", "Requests refused at admission",
+                                  ["reason"], registry=r)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    def queue_sizes(self, waiting: int, running: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+
+    def token(self, req: Request) -> None:
+        now = time.monotonic()
+        if req.first_token_s is None:
+            req.first_token_s = now
+            self.ttft.observe(now - req.created_s)
+        elif req.last_token_s is not None:
+            self.itl.observe(now - req.last_token_s)
+        req.last_token_s = now
+        self.generated_tokens.inc()
+
+    def finished(self, req: Request) -> None:
+        self.requests.labels(req.state.value if req.finish_reason is None else req.finish_reason).inc()
+        self.prompt_tokens.inc(len(req.prompt))
+        self.e2e.observe(time.monotonic() - req.created_s)
+
+    def transfer(self, ok: bool, nbytes: int) -> None:
+        self.transfers.labels("ok" if ok else "failed").inc()
+        if ok:
+            self.transfer_bytes.inc(nbytes)
+
+    def pool(self, role: str, total: int, used: int, quarantined: int = 0) -> None:
+        self.pages.labels(role, "total").set(total)
+        self.pages.labels(role, "in_use").set(used)
+        self.pages.labels(role, "free").set(total - used - quarantined)
+        self.pages.labels(role, "quarantined").set(quarantined)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,98 @@
+"""One request's lifecycle: its states and the only place they change.
+
+WAITING -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED   (disaggregated)
+WAITING -> PREFILLING -> DECODING -> FINISHED                   (colocated)
+any non-terminal state -> ABORTED (client gone) or FAILED (server-side error)
+
+Terminal states are monotone: once ABORTED or FAILED, never FINISHED; a late "finished" after an
+abort is ignored, and so is a second terminal transition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from kvfence.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kvfence.engine.sampling import SamplingParams
+from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.handle import OutputDelta, RequestHandle
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (State.FINISHED, State.ABORTED, State.FAILED)
+
+
+_ALLOWED = {
+    State.WAITING: {State.PREFILLING},
+    State.PREFILLING: {State.TRANSFERRING, State.DECODING},
+    State.TRANSFERRING: {State.DECODING},
+    State.DECODING: {State.FINISHED},
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    handle: RequestHandle
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    state: State = State.WAITING
+    prefill_lease: int = 0
+    decode_lease: int = 0
+    prefill_pages: list[int] = dataclasses.field(default_factory=list)
+    decode_pages: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
+    prefilled: int = 0  # prompt tokens whose K/V are in the prefill (or colocated) pool
+    decoded_context: int = 0  # tokens whose K/V are in the decode pool
+    pending_token: int | None = None  # sampled by prefill, emitted once the KV has landed
+    abort_requested: bool = False
+    created_s: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    def advance(self, new: State) -> None:
+        """Move to a non-terminal-by-error state; raises on a transition the lifecycle forbids."""
+        if new not in _ALLOWED.get(self.state, set()):
+            raise IllegalTransition(f"request {self.request_id}: {self.state.value} -> {new.value}")
+        self.state = new
+
+    def finish(self, reason: str, tail_text: str = "", tail_ids: list[int] | None = None) -> bool:
+        """Successful end ("stop" / "length"). False (and nothing sent) if already terminal."""
+        if self.state.terminal:
+            return False
+        self.state = State.FINISHED
+        self.finish_reason = reason
+        self.handle.push(OutputDelta(tail_text, tail_ids or [], finish_reason=reason))
+        return True
+
+    def fail(self, error: RequestError, aborted: bool = False) -> bool:
+        """End with an error (FAILED, or ABORTED for a client-initiated end). False if terminal."""
+        if self.state.terminal:
+            return False
+        self.state = State.ABORTED if aborted else State.FAILED
+        self.handle.push(OutputDelta("", [], error=error))
+        return True

@@ -1,0 +1,59 @@
+"""Moving one request's prompt KV from the prefill pool into its reserved decode pages.
+
+The scheduler's half of a transfer: mint the ids, arm the receiver with the manifest and the
+destination pages the server chose, push, and wait for the receiver's verdict. Success needs the
+receiver's positive verdict; an error, a timeout or silence is a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import anyio
+
+from kvfence.scheduler.ids import mint_id
+from kvfence.scheduler.messages import id_hex
+from kvfence.transports.base import Peer, TransferManifest, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveResult:
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    # False when a cancellation was not acknowledged: the destination pages must not be reused.
+    quiet: bool = True
+
+
+class TransferLink:
+    """A paired sender (prefill) and receiver (decode) endpoint."""
+
+    def __init__(self, sender: Transport, receiver: Transport, peer: Peer, page_size_tokens: int,
+                 page_nbytes: int) -> None:
+        self.sender = sender
+        self.receiver = receiver
+        self.peer = peer
+        self.page_size_tokens = page_size_tokens
+        self.page_nbytes = page_nbytes
+
+    async def move(self, num_tokens: int, src_pages: list[int], dst_pages: list[int], dst_lease: int,
+                   timeout_s: float) -> MoveResult:
+        """Push the pages holding `num_tokens` tokens; returns once both ends are quiet or it timed out."""
+        num_pages = -(-num_tokens // self.page_size_tokens)
+        src, dst = src_pages[:num_pages], dst_pages[:num_pages]
+        manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(dst_lease), nonce=id_hex(mint_id()),
+                                    num_tokens=num_tokens, num_pages=num_pages)
+        self.receiver.expect(manifest, dst)
+        with anyio.move_on_after(timeout_s) as scope:
+            pushed = await self.sender.push(self.peer, manifest, src, dst)
+            verdict = await self.receiver.completion(manifest.transfer_id)
+        if scope.cancelled_caught:
+            receiver_quiet = await self.receiver.cancel(manifest.transfer_id)
+            await self.sender.cancel(manifest.transfer_id)
+            return MoveResult(False, f"timed out after {timeout_s:g} s", quiet=receiver_quiet)
+        if not verdict.ok or not pushed.ok:
+            return MoveResult(False, verdict.reason or pushed.reason)
+        return MoveResult(True, nbytes=num_pages * self.page_nbytes)

@@ -1,0 +1,74 @@
+"""Run `kvfence serve` as a real subprocess on a free port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, model: Path, *args: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfence.app.cli", "serve", "--model", str(model), "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of a Prometheus metric from /metrics."""
+        text = httpx.get(self.base_url + "/metrics", timeout=5).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$", line)
+            if m and m.group(1) == name and ",".join(sorted((m.group(2) or "").split(","))) == want:
+                return float(m.group(3))
+        raise KeyError(f"{name}{{{want}}} not in /metrics")
+
+    def pages_in_use(self) -> dict[str, float]:
+        roles = ("colocated",) if "--disaggregation" in self.proc.args and "off" in self.proc.args else ("prefill", "decode")
+        return {role: self.metric("kvfence_kv_pages", role=role, state="in_use") for role in roles}
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,299 @@
+"""The HTTP layer's paths that need no generation: validation (every 400 / 404 before submit),
+admission errors, the informational routes, and abort on client disconnect. `StubEngine` never
+generates; generation over HTTP is tested end to end against a real server elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+from starlette.testclient import TestClient
+from tokenizers import pre_tokenizers
+
+from kvfence.app.http_api import build_app
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+from kvfence.scheduler.errors import AdmissionRejected, context_length_exceeded, overloaded
+from kvfence.scheduler.handle import RequestHandle
+
+MODEL, LIMIT = "tiny-test", 48
+CHAT, COMPLETIONS, TOO_LONG = "/v1/chat/completions", "/v1/completions", "context_length_exceeded"
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> Tokenizer:
+    """A real byte-level BPE without merges (one token per byte) plus three control tokens."""
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + list(SPECIALS)
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.token_type": [1] * 256 + [3] * len(SPECIALS), "tokenizer.ggml.merges": [],
+              "tokenizer.ggml.bos_token_id": 256, "tokenizer.ggml.eos_token_id": 258,
+              "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": chat_template}
+    return tokenizer_from_gguf_fields(fields.get, "test")
+
+
+class StubEngine:
+    """An EngineClient that never generates. `submit` depends on `mode`: "refuse" fails (the API had
+    to refuse the request first), "reject" records the request and raises `rejection`, "idle" admits
+    it into a real handle that nothing writes to (a queued request) and counts aborts."""
+
+    model_name = MODEL
+
+    def __init__(self, mode: str = "refuse", tokenizer: Tokenizer | None = None,
+                 rejection: AdmissionRejected | None = None) -> None:
+        self.mode, self.tokenizer, self.ready = mode, tokenizer or make_tokenizer(), True
+        self.rejection = rejection or overloaded("busy, retry", retry_after_s=2)
+        self.submitted: list[tuple[list[int], SamplingParams]] = []
+        self.handles: list[RequestHandle] = []
+        self.aborts = 0
+
+    @property
+    def max_context_tokens(self) -> int:
+        return LIMIT
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def _abort(self) -> None:
+        self.aborts += 1
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+        self.submitted.append((prompt_token_ids, sampling))
+        if self.mode == "reject":
+            raise self.rejection
+        if self.mode != "idle":
+            raise RuntimeError("submit() was called for a request the API should have refused")
+        self.handles.append(RequestHandle(f"r{len(self.handles)}", prompt_token_ids, self._abort))
+        return self.handles[-1]
+
+
+def post(engine: StubEngine, path: str, body: object) -> tuple[int, dict, dict]:
+    with TestClient(build_app(engine)) as client:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = client.post(path, content=data, headers={"content-type": "application/json"})
+        return r.status_code, r.json(), dict(r.headers)
+
+
+def chat_body(**fields: object) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def completion_body(**fields: object) -> dict:
+    return {"model": MODEL, "prompt": "hello", **fields}
+
+
+def assert_error(status: int, body: dict, want_status: int, param: str | None, code: str) -> None:
+    assert status == want_status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert (body["error"]["param"], body["error"]["code"]) == (param, code), body
+    assert body["error"]["message"]
+
+
+def refused(engine: StubEngine, path: str, body: object, status: int, param: str | None, code: str) -> dict:
+    """POST `body`, check the error envelope (status, param, code) and return its "error" object."""
+    got, out, _ = post(engine, path, body)
+    assert_error(got, out, status, param, code)
+    return out["error"]
+
+
+ENDPOINTS = [(CHAT, chat_body), (COMPLETIONS, completion_body)]
+
+
+@pytest.mark.parametrize("path,make", ENDPOINTS)
+@pytest.mark.parametrize("fields,param,code", [
+    ({"max_tokens": "5"}, "max_tokens", "invalid_type"), ({"temperature": "hot"}, "temperature", "invalid_type"),
+    ({"stream": "yes"}, "stream", "invalid_type"), ({"stop": 5}, "stop", "invalid_type"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"), ({"max_tokens": -1}, "max_tokens", "invalid_value"),
+    ({"temperature": -0.5}, "temperature", "invalid_value"), ({"top_p": 0}, "top_p", "invalid_value"),
+    ({"top_p": 1.5}, "top_p", "invalid_value"), ({"top_k": -2}, "top_k", "invalid_value"),
+    ({"stop": [""]}, "stop", "invalid_value"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"), ({"n": 2}, "n", "unsupported_value"),
+    ({"presence_penalty": 0.1}, "presence_penalty", "unsupported_value"),
+    ({"frequency_penalty": 2}, "frequency_penalty", "unsupported_value"),
+    ({"model": "gpt-4o"}, "model", "model_not_found"),
+])
+def test_bad_fields_are_refused_before_submit(path: str, make, fields: dict, param: str, code: str) -> None:
+    engine = StubEngine()
+    refused(engine, path, make(**fields), 404 if code == "model_not_found" else 400, param, code)
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize("path,make", ENDPOINTS)
+@pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                                   "page_ids", "lease", "transfer_id"])
+def test_transfer_and_routing_fields_are_refused(path: str, make, field: str) -> None:
+    engine = StubEngine()
+    refused(engine, path, make(**{field: {"remote_host": "10.0.0.9"}}), 400, field, "forbidden_parameter")
+    refused(engine, path, make(extra_body={field: None}), 400, f"extra_body.{field}", "forbidden_parameter")
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize("body,param,code", [
+    (b"{not json", None, "invalid_json"), (b'"a string"', None, "invalid_type"),
+    (b'{"model": "tiny-test"}', "messages", "missing_required_parameter"),
+    (b'{"model": "tiny-test", "messages": "hi"}', "messages", "invalid_type"),
+    (b'{"model": "tiny-test", "messages": [{"role": "user", "content": 3}]}', "messages[0].content", "invalid_type"),
+    (b'{"model": "tiny-test", "messages": []}', "messages", "invalid_value"),
+    (b'{"model": "tiny-test", "messages": [{"role": "tool", "content": "x"}]}', "messages[0].role", "invalid_value"),
+    (b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+     "max_completion_tokens", "invalid_value"),
+])
+def test_chat_body_errors(body: bytes, param: str | None, code: str) -> None:
+    engine = StubEngine()
+    refused(engine, CHAT, body, 400, param, code)
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize("prompt,code", [
+    (["one", "two"], "unsupported_value"), ([], "invalid_value"), ("", "invalid_value"),
+    ([[1, 2]], "invalid_type"), ([1, 999999], "invalid_value"), ([-1], "invalid_value"),
+])
+def test_completion_prompt_errors(prompt: object, code: str) -> None:
+    engine = StubEngine()
+    refused(engine, COMPLETIONS, completion_body(prompt=prompt), 400, "prompt", code)
+    assert engine.submitted == []
+
+
+def test_chat_template_failures_name_messages() -> None:
+    engine = StubEngine(tokenizer=make_tokenizer(chat_template=None))
+    err = refused(engine, CHAT, chat_body(), 400, "messages", "invalid_messages")
+    assert "chat template" in err["message"]
+    engine = StubEngine(tokenizer=make_tokenizer("{{ raise_exception('system messages are not supported') }}"))
+    err = refused(engine, CHAT, chat_body(), 400, "messages", "invalid_messages")
+    assert err["message"] == "system messages are not supported"
+
+
+def chat_ids(engine: StubEngine, content: str) -> list[int]:
+    text = f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    return engine.tokenizer.encode(text, add_bos=False)
+
+
+def test_context_length_is_checked_before_submit() -> None:
+    engine, long = StubEngine(), [{"role": "user", "content": "x" * LIMIT}]
+    n, fits = len(chat_ids(engine, "x" * LIMIT)), len(chat_ids(engine, "hi"))
+    err = refused(engine, CHAT, chat_body(messages=long), 400, "messages", TOO_LONG)
+    assert f"length is {LIMIT} tokens. However, your messages resulted in {n} tokens" in err["message"]
+    err = refused(engine, CHAT, chat_body(messages=long, max_tokens=4), 400, "messages", TOO_LONG)
+    assert err["message"].startswith(
+        f"This model's maximum context length is {LIMIT} tokens. However, you requested {n + 4} tokens "
+        f"({n} in the messages, 4 in the completion).")
+    for field in ("max_tokens", "max_completion_tokens"):
+        err = refused(engine, CHAT, chat_body(**{field: LIMIT - fits + 1}), 400, field, TOO_LONG)
+        assert f"{LIMIT + 1} tokens ({fits} in the messages, {LIMIT - fits + 1} in the completion)" in err["message"]
+    refused(engine, COMPLETIONS, completion_body(prompt=list(range(LIMIT))), 400, "prompt", TOO_LONG)
+    err = refused(engine, COMPLETIONS, completion_body(prompt="abc", max_tokens=46), 400, "max_tokens", TOO_LONG)
+    assert "(3 in the prompt, 46 in the completion)" in err["message"]
+    assert engine.submitted == []
+
+
+def test_what_reaches_submit() -> None:
+    engine = StubEngine("reject")
+    ids = chat_ids(engine, "hi")
+    post(engine, CHAT, chat_body(stop="\n", seed=7, top_k=5, ignore_eos=True))
+    assert engine.submitted[-1] == (ids, SamplingParams(temperature=1.0, top_p=1.0, top_k=5, seed=7, stop=("\n",),
+                                                        max_tokens=LIMIT - len(ids), ignore_eos=True))
+    post(engine, CHAT, chat_body(max_tokens=3, max_completion_tokens=LIMIT - len(ids),
+                                                   temperature=0, presence_penalty=0, n=1))
+    assert engine.submitted[-1] == (ids, SamplingParams(temperature=0.0, max_tokens=LIMIT - len(ids)))
+    post(engine, COMPLETIONS, completion_body(prompt=[5, 6, 7], max_tokens=LIMIT - 3, stop_token_ids=[9]))
+    assert engine.submitted[-1] == ([5, 6, 7], SamplingParams(max_tokens=LIMIT - 3, stop_token_ids=(9,)))
+    post(engine, COMPLETIONS, completion_body(prompt=["abc"], top_p=0.5))
+    assert engine.submitted[-1] == (engine.tokenizer.encode("abc"), SamplingParams(top_p=0.5, max_tokens=45))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_admission_rejection_is_an_error_envelope_before_any_stream(stream: bool) -> None:
+    status, body, headers = post(StubEngine("reject"), CHAT, chat_body(stream=stream))
+    assert_error(status, body, 503, None, "overloaded")
+    assert body["error"]["type"] == "service_unavailable"
+    assert headers["retry-after"] == "2" and headers["content-type"] == "application/json"
+    rejection = context_length_exceeded("too long for the free pages", param="prompt")
+    status, body, headers = post(StubEngine("reject", rejection=rejection), COMPLETIONS, completion_body(stream=stream))
+    assert_error(status, body, 400, "prompt", "context_length_exceeded")
+    assert "retry-after" not in headers
+
+
+def test_models_health_ready_metrics() -> None:
+    engine = StubEngine()
+    with TestClient(build_app(engine, metrics_text=lambda: (b"kvfence_up 1\n", "text/plain; version=0.0.4"))) as c:
+        (card,) = c.get("/v1/models").json()["data"]
+        assert isinstance(card.pop("created"), int)
+        assert card == {"id": MODEL, "object": "model", "owned_by": "kvfence", "max_model_len": LIMIT}
+        assert c.get("/v1/models").json()["object"] == "list"
+        assert (c.get("/health").status_code, c.get("/health").json()) == (200, {"status": "ok"})
+        assert c.get("/ready").status_code == 200
+        engine.ready = False
+        not_ready = c.get("/ready")
+        assert not_ready.status_code == 503 and int(not_ready.headers["retry-after"]) >= 1
+        metrics = c.get("/metrics")
+        assert (metrics.status_code, metrics.content) == (200, b"kvfence_up 1\n")
+        assert metrics.headers["content-type"] == "text/plain; version=0.0.4"
+        for path, status, code in [("/v1/nothing", 404, "not_found"), ("/v1/completions", 405, "method_not_allowed")]:
+            r = c.get(path)
+            assert_error(r.status_code, r.json(), status, None, code)
+    with TestClient(build_app(engine)) as c:
+        r = c.get("/metrics")
+        assert_error(r.status_code, r.json(), 404, None, "not_found")
+
+
+def run_until_disconnect(engine: StubEngine, path: str, body: dict) -> list[dict]:
+    """Drive the ASGI app directly: send the body, wait until the request is admitted, then
+    disconnect. Returns the ASGI messages the app sent."""
+    sent: list[dict] = []
+
+    async def main() -> None:
+        gone = anyio.Event()
+        messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")]}
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(build_app(engine), scope, receive, send)
+                while not engine.handles:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.05)
+                assert engine.aborts == 0
+                gone.set()
+
+    try:
+        anyio.run(main)
+    finally:  # nothing ends these requests (no scheduler behind the stub): close them as its
+        for handle in engine.handles:  # terminal push would
+            handle._send.close()
+    return sent
+
+
+@pytest.mark.parametrize("path,make", ENDPOINTS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_the_request(path: str, make, stream: bool) -> None:
+    engine = StubEngine("idle")
+    sent = run_until_disconnect(engine, path, make(stream=stream, stream_options={"include_usage": True}))
+    assert engine.aborts == 1
+    if not stream:
+        assert sent == []  # nothing is sent to a client that is gone
+        return
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert dict(sent[0]["headers"])[b"content-type"].startswith(b"text/event-stream")
+    assert all(m.get("more_body") for m in sent[1:])  # never completed: no finish, no [DONE]
+    bodies = [m["body"] for m in sent[1:]]
+    assert len(bodies) == (1 if path == CHAT else 0)  # chat sends the role chunk at once
+    if path == CHAT:
+        assert bodies[0].startswith(b"data: ") and bodies[0].endswith(b"\n\n")
+        first = json.loads(bodies[0][len(b"data: "):])
+        assert (first["id"], first["object"], first["model"], first["usage"]) == (
+            "chatcmpl-r0", "chat.completion.chunk", MODEL, None)
+        assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None, "logprobs": None}]

@@ -1,0 +1,167 @@
+"""The real server on a real socket, driven by the official openai client.
+
+Greedy outputs equal the references (fp32), disaggregated equals colocated, concurrent streams
+equal solo runs, and every test leaves both KV pools at their baseline (read from /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+COMMON = ("--max-context", "2048", "--prefill-num-pages", "256", "--decode-num-pages", "512", "--chunk-tokens", "256")
+
+
+@pytest.fixture(scope="module", params=["on", "off"], ids=["disaggregated", "colocated"])
+def server(request: pytest.FixtureRequest, default_model_path: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(default_model_path, "--disaggregation", request.param, *COMMON,
+                        log_path=tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.log()
+
+
+def wait_baseline(srv: ServerProcess) -> None:
+    deadline = time.monotonic() + 10
+    while any(srv.pages_in_use().values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(srv.pages_in_use().values()), srv.pages_in_use()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+    wait_baseline(server)
+
+
+def greedy(case: dict) -> dict:
+    return {"model": MODEL, "max_tokens": 32, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_chat_references_non_stream(client: openai.OpenAI, reference: dict) -> None:
+    for case in [c for c in reference["cases"] if c["kind"] == "chat"]:
+        r = client.chat.completions.create(messages=case["messages"], **greedy(case))
+        assert r.choices[0].message.content.startswith(case["text_until_eos"]), case["id"]
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens == case["num_prompt_tokens"]
+        assert r.usage.completion_tokens == 32
+        assert r.usage.total_tokens == case["num_prompt_tokens"] + 32
+
+
+def test_completion_references_stream(client: openai.OpenAI, reference: dict) -> None:
+    for case in [c for c in reference["cases"] if c["kind"] == "completion"]:
+        stream = client.completions.create(prompt=case["prompt"], stream=True,
+                                           stream_options={"include_usage": True}, **greedy(case))
+        text, reasons, usage = "", [], None
+        for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text += choice.text
+                reasons.append(choice.finish_reason)
+        assert text.startswith(case["text_until_eos"]), case["id"]
+        assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+        assert usage is not None and usage.completion_tokens == 32
+        assert usage.prompt_tokens == case["num_prompt_tokens"]
+
+
+def test_async_chat_stream_equals_non_stream(server: ServerProcess, reference: dict) -> None:
+    case = reference["cases"][1]
+
+    async def run() -> tuple[str, str]:
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused") as c:
+            whole = await c.chat.completions.create(messages=case["messages"], **greedy(case))
+            parts = []
+            async for chunk in await c.chat.completions.create(messages=case["messages"], stream=True, **greedy(case)):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+            return whole.choices[0].message.content or "", "".join(parts)
+
+    whole, streamed = asyncio.run(run())
+    assert whole == streamed and whole.startswith(case["text_until_eos"])
+    wait_baseline(server)
+
+
+def test_sixteen_concurrent_streams_equal_solo(server: ServerProcess, reference: dict) -> None:
+    prompts = [(c["messages"] if c["kind"] == "chat" else c["prompt"], 8 + 3 * i)
+               for i, c in enumerate(reference["cases"] * 2)]
+
+    async def one(c: openai.AsyncOpenAI, prompt: object, n: int) -> str:
+        kwargs = {"model": MODEL, "max_tokens": n, "temperature": 0, "stream": True}
+        out = []
+        if isinstance(prompt, list):
+            async for ch in await c.chat.completions.create(messages=prompt, **kwargs):  # type: ignore[arg-type]
+                if ch.choices and ch.choices[0].delta.content:
+                    out.append(ch.choices[0].delta.content)
+        else:
+            async for ch in await c.completions.create(prompt=prompt, **kwargs):  # type: ignore[arg-type]
+                out.extend(x.text for x in ch.choices)
+        return "".join(out)
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused") as c:
+            solo = [await one(c, p, n) for p, n in prompts]
+            together = await asyncio.gather(*(one(c, p, n) for p, n in prompts))
+            return solo, list(together)
+
+    solo, together = asyncio.run(run())
+    assert len(prompts) == 16 and together == solo
+    wait_baseline(server)
+
+
+def test_disconnect_mid_stream_returns_pages(server: ServerProcess, reference: dict) -> None:
+    case = reference["cases"][0]
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": case["messages"], "max_tokens": 400, "stream": True,
+                "temperature": 0, "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 6:
+                    break  # leaving the block closes the connection mid-stream
+    wait_baseline(server)
+    assert server.metric("kvfence_requests_total", status="aborted") >= 1
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"messages": [{"role": "user", "content": "x " * 3000}], "max_tokens": 4}, "messages", "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, "max_tokens", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": {"x": 1}}, "kv_transfer_params", None),
+])
+def test_bad_requests_are_400_and_reserve_nothing(server: ServerProcess, body: dict, param: str,
+                                                  code: str | None) -> None:
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+    if code:
+        assert err["code"] == code
+    assert not any(server.pages_in_use().values())
+
+
+def test_malformed_json_is_400(server: ServerProcess) -> None:
+    r = httpx.post(server.base_url + "/v1/chat/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_models_health_ready(server: ServerProcess) -> None:
+    models = httpx.get(server.base_url + "/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 2048
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.base_url + "/ready", timeout=10).status_code == 200

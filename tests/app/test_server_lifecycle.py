@@ -1,0 +1,55 @@
+"""Back-pressure and shutdown of the real server: a full queue is 503 with Retry-After; SIGTERM
+drains in-flight requests, refuses new ones, and exits 0."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from server_process import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def long_request(base_url: str, results: list, max_tokens: int = 48) -> None:
+    r = httpx.post(base_url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    results.append(r)
+
+
+def test_queue_full_then_sigterm_drains(default_model_path: Path, tmp_path: Path) -> None:
+    srv = ServerProcess(default_model_path, "--max-context", "512", "--max-running", "1", "--max-queue", "1",
+                        "--prefill-num-pages", "64", "--decode-num-pages", "64", "--shutdown-timeout", "60",
+                        log_path=tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        results: list[httpx.Response] = []
+        threads = [threading.Thread(target=long_request, args=(srv.base_url, results)) for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)  # the first runs, the second waits in the queue
+        third = httpx.post(srv.base_url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert third.status_code == 503, third.text
+        assert int(third.headers["retry-after"]) >= 1
+        assert third.json()["error"]["code"] == "overloaded"
+
+        srv.proc.send_signal(signal.SIGTERM)  # both admitted requests must still finish
+        time.sleep(0.3)
+        assert httpx.get(srv.base_url + "/ready", timeout=5).status_code == 503
+        refused = httpx.post(srv.base_url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert refused.status_code == 503
+        for t in threads:
+            t.join(120)
+        assert [r.status_code for r in results] == [200, 200]
+        for r in results:
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 48
+        assert results[0].json()["choices"][0]["text"] == results[1].json()["choices"][0]["text"]
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.stop()

@@ -1,0 +1,208 @@
+"""The scheduler with real workers on a tiny random Llama: outputs, admission, aborts, page baselines.
+
+Disaggregated runs pair a prefill and a decode worker through a real transport; their greedy
+outputs must equal a colocated run and the offline engine, token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from tiny_models import TinySpec, make_tiny_pair
+
+from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.offline import OfflineEngine
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.worker import Worker, WorkerChannel
+from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core import Scheduler
+from kvfence.scheduler.errors import AdmissionRejected
+from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.ids import mint_id
+from kvfence.scheduler.messages import id_hex
+from kvfence.scheduler.transfer import TransferLink
+from kvfence.transports.base import PairingRecord
+from kvfence.transports.registry import transport_class
+
+PAGE = 4
+CONTEXT = 96
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    gguf_path, _, _ = make_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=3, spec=TinySpec())
+    return load_checkpoint(gguf_path)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(3, 250, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def worker(tiny: Checkpoint, role: str, num_pages: int) -> Worker:
+    model = LlamaModel(tiny, torch.float32)
+    return Worker(role, ModelRunner(model, KVPool(model.config, num_pages, PAGE, torch.float32)))
+
+
+class Harness:
+    def __init__(self, scheduler: Scheduler, workers: list[Worker]) -> None:
+        self.scheduler = scheduler
+        self.workers = workers
+
+    def assert_baseline(self) -> None:
+        """Every page is back in its ledger and untagged in its pool once the next step ran."""
+        assert all(n == 0 for n in self.scheduler.pages_in_use().values()), self.scheduler.pages_in_use()
+        for pool in {id(self.scheduler.prefill): self.scheduler.prefill, id(self.scheduler.decode): self.scheduler.decode}.values():
+            pool.ledger.check_integrity()
+
+
+async def collect(handle: RequestHandle) -> tuple[list[int], str, str | None, str | None]:
+    ids: list[int] = []
+    text = ""
+    async for d in handle.deltas():
+        ids += d.token_ids
+        text += d.text
+        if d.finish_reason or d.error:
+            return ids, text, d.finish_reason, d.error.code if d.error else None
+    return ids, text, None, None
+
+
+@pytest.fixture(params=["colocated", "inprocess", "tcp"])
+async def harness(request: pytest.FixtureRequest, tiny: Checkpoint) -> AsyncIterator[Harness]:
+    mode = request.param
+    pages = 64
+    config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, max_running=8, max_queue=4,
+                             chunk_tokens=16, disaggregated=mode != "colocated", transfer_timeout_s=10)
+    async with anyio.create_task_group() as tg:
+        if mode == "colocated":
+            w = worker(tiny, "colocated", pages)
+            scheduler = Scheduler(config, tiny.tokenizer, WorkerChannel(w), None, prefill_pages=pages,
+                                  decode_pages=pages)
+            workers = [w]
+        else:
+            pw, dw = worker(tiny, "prefill", pages), worker(tiny, "decode", pages)
+            cls = transport_class(mode)
+            extra = {}
+            if mode == "inprocess":
+                from kvfence.transports.inprocess import InProcessHub
+                extra = {"hub": InProcessHub()}
+            sender, receiver = cls(**extra), cls(**extra)
+            record = PairingRecord(model="tiny", dtype="float32", page_size_tokens=PAGE,
+                                   page_nbytes=pw.pool.page_nbytes, page_layout="test", digest="xxh3_64",
+                                   max_context_tokens=CONTEXT, incarnation=id_hex(mint_id()))
+            info = await receiver.start(tg, dw.pool.data, record)
+            await sender.start(tg, pw.pool.data, record)
+            peer = await sender.pair(info)
+            link = TransferLink(sender, receiver, peer, PAGE, pw.pool.page_nbytes)
+            scheduler = Scheduler(config, tiny.tokenizer, WorkerChannel(pw), WorkerChannel(dw), prefill_pages=pages,
+                                  decode_pages=pages, link=link)
+            workers = [pw, dw]
+        await scheduler.run(tg)
+        yield Harness(scheduler, workers)
+        if mode != "colocated":
+            await sender.aclose()
+            await receiver.aclose()
+        tg.cancel_scope.cancel()
+
+
+def offline_greedy(tiny: Checkpoint, ps: list[list[int]], max_tokens: int) -> list[tuple[list[int], str]]:
+    model = LlamaModel(tiny, torch.float32)
+    engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 256, PAGE, torch.float32)), tiny.tokenizer,
+                           chunk_tokens=16)
+    outs = engine.generate(ps, [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * len(ps))
+    return [(o.generated_token_ids, o.text) for o in outs]
+
+
+@pytest.mark.anyio
+async def test_greedy_equals_offline_engine(harness: Harness, tiny: Checkpoint) -> None:
+    ps = prompts(6)
+    want = offline_greedy(tiny, ps, 12)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results: list[tuple] = [None] * len(ps)  # type: ignore[list-item]
+
+    async def one(i: int) -> None:
+        results[i] = await collect(harness.scheduler.submit(ps[i], params))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(ps)):
+            tg.start_soon(one, i)
+    for (ids, text, reason, error), (want_ids, want_text) in zip(results, want):
+        assert error is None and reason == "length"
+        assert ids == want_ids
+        assert text == want_text
+    harness.assert_baseline()
+
+
+@pytest.mark.anyio
+async def test_context_length_rejected_before_anything_is_reserved(harness: Harness) -> None:
+    s = harness.scheduler
+    with pytest.raises(AdmissionRejected) as info:
+        s.submit(list(range(3, 3 + CONTEXT)), SamplingParams(max_tokens=1))
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    with pytest.raises(AdmissionRejected) as info:
+        s.submit([5, 6, 7], SamplingParams(max_tokens=CONTEXT))
+    assert info.value.param == "max_tokens"
+    assert s.in_flight() == 0
+    harness.assert_baseline()
+
+
+@pytest.mark.anyio
+async def test_queue_full_is_503_with_retry_after(harness: Harness) -> None:
+    s = harness.scheduler
+    big = SamplingParams(temperature=0, max_tokens=CONTEXT - 8, ignore_eos=True)
+    handles = []
+    with pytest.raises(AdmissionRejected) as info:
+        for _ in range(64):  # 64 pages hold 2 of these; the queue holds 4 more
+            handles.append(s.submit([5, 6, 7, 8], big))
+    assert info.value.status == 503 and info.value.retry_after_s
+    assert len(handles) == 6
+    for h in handles:
+        h.abort()
+    for h in handles:
+        _, _, reason, error = await collect(h)
+        assert reason is None and error == "client_closed"
+    await wait_idle(harness)
+
+
+async def wait_idle(harness: Harness) -> None:
+    with anyio.fail_after(10):
+        while harness.scheduler.in_flight():
+            await anyio.sleep(0.01)
+    harness.assert_baseline()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("after_tokens", [0, 1, 5])
+async def test_abort_returns_every_page(harness: Harness, after_tokens: int) -> None:
+    s = harness.scheduler
+    handle = s.submit(prompts(1)[0] * 2, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    if after_tokens == 0:
+        await anyio.sleep(0)  # let the loops pick it up: it may be prefilling or transferring
+        handle.abort()
+    seen = 0
+    async for d in handle.deltas():
+        seen += len(d.token_ids)
+        if seen >= after_tokens:
+            handle.abort()
+        if d.finish_reason or d.error:
+            assert d.finish_reason is None and d.error is not None and d.error.code == "client_closed"
+            break
+    handle.abort()  # idempotent
+    await wait_idle(harness)
+    # Others keep working afterwards.
+    ids, _, reason, _ = await collect(s.submit([4, 5, 6], SamplingParams(temperature=0, max_tokens=3)))
+    assert reason in ("stop", "length") and ids
+    await wait_idle(harness)

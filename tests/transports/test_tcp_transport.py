@@ -1,0 +1,124 @@
+"""TCP specifics: what a raw client sees on the wire, and robustness to junk."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+
+import anyio
+import msgspec
+import pytest
+import torch
+from transport_harness import make_manifest, make_record, page_bytes, paired
+
+from kvfence.transports.base import EndpointInfo, PairingRefused
+from kvfence.transports.tcp import TcpTransport, split_address
+from kvfence.transports.tcp_wire import LEN_SIZE, Hello, HelloReply, decode_frame, encode_frame, frame_length
+
+pytestmark = pytest.mark.anyio
+
+
+def raw_exchange(address: str, payload: bytes) -> bytes:
+    """Blocking helper (run in a thread): send payload, read until the server closes."""
+    with socket.create_connection(split_address(address), timeout=5) as s:
+        s.sendall(payload)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_listener_refuses_a_foreign_transport_and_hangs_up() -> None:
+    async with paired("tcp", pair=False) as p:
+        hello = Hello(EndpointInfo("carrier-pigeon", "nowhere:1", make_record()))
+        reply_bytes = await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, encode_frame(hello))
+        n = frame_length(reply_bytes[:LEN_SIZE])
+        reply = decode_frame(reply_bytes[LEN_SIZE:LEN_SIZE + n])
+        assert isinstance(reply, HelloReply) and not reply.accepted
+        assert "transport" in reply.reason and reply.info == p.rx_info
+        assert len(reply_bytes) == LEN_SIZE + n  # nothing after the refusal: the connection closed
+
+
+async def test_junk_is_dropped_and_the_endpoint_keeps_serving() -> None:
+    async with paired("tcp", pair=False) as p:
+        junk = b"\x00\x00\x00\x05hello"
+        assert await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, junk) == b""
+        assert await p.rx.health()
+        peer = await p.tx.pair(p.rx_info)
+        p.peer = peer
+        _, result = await p.expect_and_push([0], [0])
+        assert result.ok, result
+
+
+def test_split_address() -> None:
+    assert split_address("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert split_address("[::1]:9") == ("::1", 9)
+    with pytest.raises(ValueError):
+        split_address("localhost")
+
+
+async def test_push_cancelled_while_queued_behind_another_notifies_the_receiver() -> None:
+    async with paired("tcp", page_floats=1 << 18) as p:  # 32 x 1 MiB: the first push holds the line
+        big, small = make_manifest(31), make_manifest(1)
+        p.rx.expect(big, list(range(31)))
+        results: dict[str, object] = {}
+
+        async def push(name: str, manifest, pages: list[int]) -> None:  # type: ignore[no-untyped-def]
+            results[name] = await p.tx.push(p.peer, manifest, pages, pages)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(push, "big", big, list(range(31)))
+            with anyio.fail_after(10):
+                while not page_bytes(p.dst, 0).any():
+                    await anyio.sleep(0)
+            p.rx.expect(small, [31])
+            tg.start_soon(push, "small", small, [0])
+            await anyio.sleep(0)
+            assert not page_bytes(p.dst, 31).any()
+            assert await p.tx.cancel(small.transfer_id) is True
+        assert results["big"].ok, results["big"]
+        assert results["small"].reason == "cancelled"
+        assert (await p.rx.completion(small.transfer_id)).reason == "cancelled"
+        p.assert_landed(list(range(31)), list(range(31)))
+
+
+def fake_listener(reply_info: EndpointInfo) -> tuple[socket.socket, Callable[[], None]]:
+    """A listener that accepts any Hello and answers 'accepted' with `reply_info` (a liar)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_one() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            prefix = conn.recv(LEN_SIZE, socket.MSG_WAITALL)
+            conn.recv(frame_length(prefix), socket.MSG_WAITALL)
+            conn.sendall(encode_frame(HelloReply(True, "", reply_info)))
+            conn.recv(1)  # until the client hangs up
+
+    return listener, serve_one
+
+
+@pytest.mark.parametrize("lie", ["dtype", "incarnation"])
+async def test_the_connecting_side_checks_the_reply_too(lie: str) -> None:
+    async with paired("tcp", pair=False) as p:
+        told = make_record()
+        actual = make_record(dtype="bfloat16") if lie == "dtype" else make_record(incarnation="other")
+        listener, serve_one = fake_listener(EndpointInfo("tcp", "x:1", actual))
+        with listener:
+            address = f"127.0.0.1:{listener.getsockname()[1]}"
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, serve_one)
+                with pytest.raises(PairingRefused, match=lie):
+                    await p.tx.pair(EndpointInfo("tcp", address, told if lie == "dtype" else
+                                                 msgspec.structs.replace(actual, incarnation="told")))
+
+
+async def test_a_failed_start_leaves_no_listener_behind() -> None:
+    fds = len(os.listdir("/proc/self/fd"))
+    async with anyio.create_task_group() as finished:
+        pass
+    transport = TcpTransport()
+    with pytest.raises(RuntimeError):
+        await transport.start(finished, torch.zeros(4, 1024), make_record())
+    assert len(os.listdir("/proc/self/fd")) == fds
+    await transport.aclose()

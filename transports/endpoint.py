@@ -1,0 +1,83 @@
+"""What the built-in transports share: pool registration, the receiver half (expect, completion,
+cancel) and the checks on pairing and push arguments."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfence.transports.base import EndpointInfo, PairingRecord, TransferManifest, TransferResult, Transport
+from kvfence.transports.pool_view import PoolView
+from kvfence.transports.receiver import PoolReceiver
+from kvfence.transports.sender_state import OutgoingPushes
+
+
+def pairing_problem(mine: EndpointInfo, theirs: EndpointInfo) -> str | None:
+    """Why two endpoints may not pair (transport name or a byte-defining record field), or None."""
+    if mine.transport != theirs.transport:
+        return f"transport: {mine.transport!r} != {theirs.transport!r}"
+    return mine.record.mismatch(theirs.record)
+
+
+class PoolEndpoint(Transport):
+    """Base of the built-in transports. Subclasses implement start/pair/push/health/aclose and
+    call `_register` from `start`."""
+
+    def __init__(self) -> None:
+        self._pool: PoolView | None = None
+        self._receiver: PoolReceiver | None = None
+        self._outgoing = OutgoingPushes()
+        self._info: EndpointInfo | None = None
+        self._closed = False
+
+    @property
+    def info(self) -> EndpointInfo:
+        """This endpoint's EndpointInfo (after `start`)."""
+        if self._info is None:
+            raise RuntimeError(f"{self.name} transport not started")
+        return self._info
+
+    def _register(self, memory: torch.Tensor, record: PairingRecord) -> PoolView:
+        if self._closed:
+            raise RuntimeError(f"{self.name} transport is closed")
+        if self._pool is not None:
+            raise RuntimeError(f"{self.name} transport already started")
+        pool = PoolView(memory, record)
+        self._pool, self._receiver = pool, PoolReceiver(pool)
+        return pool
+
+    def _started(self) -> tuple[PoolView, PoolReceiver]:
+        if self._pool is None or self._receiver is None:
+            raise RuntimeError(f"{self.name} transport not started")
+        return self._pool, self._receiver
+
+    def expect(self, manifest: TransferManifest, dst_pages: list[int]) -> None:
+        """Allow exactly this transfer into `dst_pages`. ValueError: reused id, wrong page count,
+        bad/repeated pages, or pages reserved by another pending transfer."""
+        self._started()[1].expect(manifest, list(dst_pages))
+
+    async def completion(self, transfer_id: str) -> TransferResult:
+        """The expected transfer's result (KeyError when it was never expected). Failures include
+        the push's rejection reasons, "cancelled", "peer_lost", "transport_closed"."""
+        return await self._started()[1].completion(transfer_id)
+
+    async def cancel(self, transfer_id: str) -> bool:
+        """Both halves: un-expect it (no write can follow) and stop pushing it (no read can
+        follow). Always True: both are immediate, since every read and write of pages is a
+        synchronous step on the event loop preceded by a check of the cancellation."""
+        if self._receiver is not None:
+            self._receiver.cancel(transfer_id)
+        self._outgoing.cancel(transfer_id)
+        return True
+
+    def _check_push(self, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int]) -> PoolView:
+        pool = self._started()[0]
+        if self._closed:
+            raise RuntimeError(f"{self.name} transport is closed")
+        n = manifest.num_pages
+        if len(src_pages) != n or len(dst_pages) != n:
+            raise ValueError(f"transfer {manifest.transfer_id}: {len(src_pages)} src / {len(dst_pages)} "
+                             f"dst pages for num_pages={n}")
+        if len(manifest.digests) not in (0, n):
+            raise ValueError(f"transfer {manifest.transfer_id}: {len(manifest.digests)} digests for {n} pages")
+        pool.check_pages(list(src_pages), f"transfer {manifest.transfer_id} src")
+        return pool

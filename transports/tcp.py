@@ -1,0 +1,188 @@
+"""`TcpTransport`: KV pages over plain TCP (loopback or LAN), no extra dependencies.
+
+Every endpoint listens (it can receive); `pair(peer)` opens one connection from this endpoint to
+the peer's listener and exchanges Hello/HelloReply: the listener refuses a different transport or
+any byte-defining record mismatch, and the connecting side re-checks the reply (record, and that
+the peer's incarnation is the one it was told about). Pushes then flow connector -> listener on
+that connection, several at once (see tcp_send). Wire format: tcp_wire; byte moving: tcp_io.
+
+Digests: a push whose manifest carries digests is verified against those; one whose manifest has
+none (`digests=[]`) is verified against the digests the sender computes, per page, over exactly
+the bytes it sent (with the paired algorithm).
+
+A lost connection is not re-established: its pushes fail with "peer_lost", later pushes to that
+peer return "peer_lost" at once, and `health()` stays False until the peer is paired again.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import ClassVar
+
+import anyio
+import torch
+from anyio.abc import TaskGroup, TaskStatus
+
+from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
+                                     TransferResult, TransportUnavailable)
+from kvfence.transports.endpoint import PoolEndpoint, pairing_problem
+from kvfence.transports.tcp_io import Channel, accept, connect, listen
+from kvfence.transports.tcp_receive import serve_connection
+from kvfence.transports.tcp_send import SenderConnection
+from kvfence.transports.tcp_wire import MAX_HELLO, Hello, HelloReply
+
+
+class TcpPeer(Peer):
+    def __init__(self, owner: TcpTransport, info: EndpointInfo, connection: SenderConnection) -> None:
+        self.owner = owner
+        self.info = info
+        self.connection = connection
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """"host:port" or "[v6 host]:port" -> (host, port); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"not a host:port address: {address!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+class TcpTransport(PoolEndpoint):
+    name: ClassVar[str] = "tcp"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout: float = 10.0) -> None:
+        super().__init__()
+        self.host, self.port = host, port
+        self.handshake_timeout = handshake_timeout
+        self._listener: socket.socket | None = None
+        self._tg: TaskGroup | None = None
+        self._stopped = anyio.Event()
+        self._peers: dict[str, SenderConnection] = {}  # by peer address
+        self._accepted: set[Channel] = set()
+
+    async def start(self, task_group: TaskGroup, memory: torch.Tensor, record: PairingRecord) -> EndpointInfo:
+        """Register the pool, listen on host:port (0: ephemeral) and serve in `task_group`."""
+        self._register(memory, record)
+        try:
+            self._listener = listen(self.host, self.port)
+        except OSError as e:
+            raise TransportUnavailable(f"tcp transport cannot listen on {self.host}:{self.port}: {e}") from e
+        port = self._listener.getsockname()[1]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self._info = EndpointInfo(self.name, f"{host}:{port}", record)
+        try:
+            await task_group.start(self._serve)
+        except BaseException:
+            self._close_sockets()
+            raise
+        return self._info
+
+    async def _serve(self, *, task_status: TaskStatus[None]) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._accept_loop)
+                task_status.started()
+        finally:
+            self._close_sockets()
+            self._stopped.set()
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None and self._tg is not None
+        while True:
+            try:
+                sock = await accept(self._listener)
+            except anyio.ClosedResourceError:
+                return
+            except OSError:  # e.g. out of file descriptors: keep serving the existing connections
+                if self._listener.fileno() == -1:
+                    return
+                await anyio.sleep(0.1)
+                continue
+            self._tg.start_soon(self._serve_one, Channel(sock))
+
+    async def _serve_one(self, channel: Channel) -> None:
+        _, receiver = self._started()
+        self._accepted.add(channel)
+        try:
+            await serve_connection(channel, self.info, receiver, self.handshake_timeout)
+        finally:
+            self._accepted.discard(channel)
+
+    async def pair(self, peer: EndpointInfo) -> Peer:
+        """Connect to `peer` and pair. PairingRefused on any mismatch (either side's verdict);
+        OSError (ConnectionError) when unreachable or not speaking this protocol; TimeoutError
+        when the handshake stalls."""
+        if self._tg is None or self._closed or self._stopped.is_set():
+            raise RuntimeError("tcp transport is not serving")
+        if peer.transport != self.name:
+            raise PairingRefused(f"transport: {self.name!r} != {peer.transport!r}")
+        channel = Channel(await connect(*split_address(peer.address)))
+        try:  # ProtocolError (an undecodable reply) is a ConnectionError too
+            with anyio.fail_after(self.handshake_timeout):
+                async with channel.send_lock:
+                    await channel.send_frame(Hello(self.info))
+                reply = await channel.recv_frame(MAX_HELLO)
+            if not isinstance(reply, HelloReply):
+                raise ConnectionError(f"{peer.address}: expected hello_reply, got {type(reply).__name__}")
+            if not reply.accepted:
+                raise PairingRefused(f"{peer.address} refused to pair: {reply.reason}")
+            if problem := pairing_problem(self.info, reply.info):
+                raise PairingRefused(f"refusing to pair with {peer.address}: {problem}")
+            if reply.info.record.incarnation != peer.record.incarnation:
+                raise PairingRefused(f"{peer.address} is incarnation {reply.info.record.incarnation!r}, "
+                                     f"not {peer.record.incarnation!r}")
+            if self._closed or self._stopped.is_set():
+                raise RuntimeError("tcp transport closed while pairing")
+            connection = SenderConnection(channel, reply.info)
+            self._tg.start_soon(connection.run)
+        except BaseException:
+            channel.close()
+            raise
+        if (old := self._peers.pop(peer.address, None)) is not None:
+            old.lose("peer_lost")
+        self._peers[peer.address] = connection
+        return TcpPeer(self, reply.info, connection)
+
+    async def push(self, peer: Peer, manifest: TransferManifest, src_pages: list[int],
+                   dst_pages: list[int]) -> TransferResult:
+        """Send the pages and return the receiver's verdict ("cancelled" when `cancel` stopped
+        it, "peer_lost" / "transport_closed" when the connection went away first). ValueError
+        on bad arguments or a peer not paired by this endpoint."""
+        pool = self._check_push(manifest, src_pages, dst_pages)
+        if not isinstance(peer, TcpPeer) or peer.owner is not self:
+            raise ValueError("push to a peer this tcp endpoint did not pair with")
+        out = self._outgoing.add(manifest.transfer_id)
+        try:
+            return await peer.connection.push(out, pool, manifest, list(src_pages), list(dst_pages))
+        finally:
+            self._outgoing.remove(out)
+
+    async def health(self) -> bool:
+        """The listener is up and serving, and every paired connection is alive."""
+        return (self._listener is not None and self._listener.fileno() != -1 and self._tg is not None
+                and not self._closed and not self._stopped.is_set()
+                and all(c.alive for c in self._peers.values()))
+
+    async def aclose(self) -> None:
+        """Fail everything pending ("transport_closed"), stop the tasks, close every socket."""
+        if not self._closed:
+            self._closed = True
+            if self._receiver is not None:
+                self._receiver.close("transport_closed")
+            self._outgoing.settle_all("transport_closed")
+            if self._tg is not None:  # _serve closes the sockets on its way out
+                self._tg.cancel_scope.cancel()
+            else:
+                self._close_sockets()
+        if self._tg is not None:
+            await self._stopped.wait()
+
+    def _close_sockets(self) -> None:
+        for connection in self._peers.values():
+            connection.lose("transport_closed")
+        for channel in list(self._accepted):
+            channel.close()
+        if self._listener is not None and self._listener.fileno() != -1:
+            anyio.notify_closing(self._listener)
+            self._listener.close()

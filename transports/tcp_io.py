@@ -1,0 +1,159 @@
+"""Byte moving for the TCP transport over a raw non-blocking socket (anyio wait_readable /
+wait_writable, so it never blocks the event loop).
+
+Pool memory is never handed to the kernel across an await: every `recv_into` into a pool page and
+every `send` from one is a synchronous call made right after asking the caller whether that is
+still allowed (`target()` / `stop()`). So a cancellation processed between two steps takes effect
+before the next byte is read from or written to the pool. Closed or failed sockets surface as
+OSError (EOF is ConnectionResetError) or anyio.ClosedResourceError.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+
+import anyio
+
+from kvfence.transports.digest import Hasher
+from kvfence.transports.tcp_wire import LEN_SIZE, MAX_FRAME, Frame, decode_frame, encode_frame, frame_length
+
+SCRATCH_BYTES = 256 << 10
+ConnectionGone = (OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)
+
+
+class Channel:
+    """A connected socket. Sends: one task at a time, holding `send_lock`. Receives: one task."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.send_lock = anyio.Lock()
+        self.closed = False
+        self._owed_frame = memoryview(b"")  # rest of a frame whose sending was interrupted
+        self._owed_pad = 0  # rest of a page whose sending was stopped or interrupted
+        self._prefix = bytearray(LEN_SIZE)
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._zeros = memoryview(bytes(SCRATCH_BYTES))
+
+    # -- sending (hold send_lock) ----------------------------------------------------------
+    @property
+    def settled(self) -> bool:
+        """No frame or page is half sent: the next frame may start."""
+        return not self._owed_frame and not self._owed_pad
+
+    async def send_frame(self, frame: Frame) -> None:
+        if not self.settled:
+            raise anyio.BrokenResourceError("a previous send was left unfinished")
+        self._owed_frame = memoryview(encode_frame(frame))
+        await self._flush()
+
+    async def send_page(self, page: memoryview, hasher: Hasher, stop: Callable[[], bool]) -> bool:
+        """Send `page`, feeding every sent chunk to `hasher`. Checks `stop()` before each read of
+        `page`; when it is True returns False, leaving the rest owed (`settle` pads it)."""
+        if not self.settled:
+            raise anyio.BrokenResourceError("a previous send was left unfinished")
+        self._owed_pad = len(page)
+        sent = 0
+        while sent < len(page):
+            if stop():
+                return False
+            try:
+                k = self.sock.send(page[sent:])
+            except (BlockingIOError, InterruptedError):
+                await anyio.wait_writable(self.sock)
+                continue
+            hasher.update(page[sent:sent + k])
+            sent += k
+            self._owed_pad -= k
+        return True
+
+    async def settle(self) -> None:
+        """Finish an interrupted frame and pad an unfinished page with zeros."""
+        await self._flush()
+        while self._owed_pad:
+            self._owed_pad -= await self._send_some(self._zeros[:min(self._owed_pad, len(self._zeros))])
+
+    async def _flush(self) -> None:
+        while self._owed_frame:
+            self._owed_frame = self._owed_frame[await self._send_some(self._owed_frame):]
+
+    async def _send_some(self, data: memoryview) -> int:
+        while True:
+            try:
+                return self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                await anyio.wait_writable(self.sock)
+
+    # -- receiving (one reader task) -------------------------------------------------------
+    async def recv_frame(self, limit: int = MAX_FRAME) -> Frame:
+        """The next frame; ProtocolError when it is longer than `limit` or undecodable."""
+        await self._recv_exact(len(self._prefix), lambda: memoryview(self._prefix))
+        body = bytearray(frame_length(self._prefix, limit))
+        await self._recv_exact(len(body), lambda: memoryview(body))
+        return decode_frame(body)
+
+    async def recv_page(self, nbytes: int, target: Callable[[], memoryview | None]) -> None:
+        """Read `nbytes` into `target()` (asked again before every read; a view of exactly
+        `nbytes`), or into scratch, discarded, whenever it returns None."""
+        await self._recv_exact(nbytes, target)
+
+    async def _recv_exact(self, nbytes: int, target: Callable[[], memoryview | None]) -> None:
+        got = 0
+        while got < nbytes:
+            dst = target()
+            view = dst[got:nbytes] if dst is not None else self._scratch[:min(nbytes - got, len(self._scratch))]
+            try:
+                k = self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                await anyio.wait_readable(self.sock)
+                continue
+            if k == 0:
+                raise ConnectionResetError("the peer closed the connection")
+            got += k
+
+    # -- closing ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the socket, waking any task waiting on it (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            anyio.notify_closing(self.sock)
+            self.sock.close()
+
+
+async def connect(host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to host:port (OSError when unreachable)."""
+    infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setblocking(False)
+        try:
+            sock.connect(addr)
+        except (BlockingIOError, InterruptedError):
+            await anyio.wait_writable(sock)
+            if err := sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                raise OSError(err, f"connect to {host}:{port}: {os.strerror(err)}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A non-blocking listening socket (port 0: an ephemeral port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    sock.setblocking(False)
+    return sock
+
+
+async def accept(listener: socket.socket) -> socket.socket:
+    while True:
+        try:
+            conn, _ = listener.accept()
+            return conn
+        except (BlockingIOError, InterruptedError):
+            await anyio.wait_readable(listener)

@@ -1,0 +1,96 @@
+"""The receiving end of one accepted TCP connection: pairing handshake, then pushes.
+
+Page bytes are read straight into the destination pool pages, but only while the receiver says the
+transfer may be written (`PoolReceiver.target`); otherwise into scratch and dropped. A push cut
+off by a lost connection fails with "peer_lost", one cut off by a protocol violation with
+"protocol_error"; the connection is then closed. Nothing here raises for peer misbehaviour.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from kvfence.transports.base import EndpointInfo, TransferResult
+from kvfence.transports.endpoint import pairing_problem
+from kvfence.transports.receiver import PoolReceiver
+from kvfence.transports.receiver_state import Admission
+from kvfence.transports.tcp_io import Channel, ConnectionGone
+from kvfence.transports.tcp_wire import (MAX_HELLO, Cancel, Hello, HelloReply, Page, ProtocolError, PushAbort,
+                                          PushEnd, PushHeader, Verdict)
+
+
+async def serve_connection(channel: Channel, me: EndpointInfo, receiver: PoolReceiver,
+                           handshake_timeout: float) -> None:
+    """Serve `channel` until the peer goes away or the task is cancelled; always closes it."""
+    reader = _PushReader(channel, receiver)
+    try:
+        if await _handshake(channel, me, handshake_timeout):
+            await reader.run()
+    except (ProtocolError, TimeoutError):  # before ConnectionGone: both are OSErrors
+        reader.fail("protocol_error")
+    except ConnectionGone:
+        reader.fail("peer_lost")
+    finally:
+        reader.fail("peer_lost")
+        channel.close()
+
+
+async def _handshake(channel: Channel, me: EndpointInfo, timeout: float) -> bool:
+    """Answer the peer's Hello; True when paired. A refusal is answered, then the connection ends."""
+    with anyio.fail_after(timeout):
+        hello = await channel.recv_frame(MAX_HELLO)
+        if not isinstance(hello, Hello):
+            raise ProtocolError(f"expected hello, got {type(hello).__name__}")
+        problem = pairing_problem(me, hello.info)
+        async with channel.send_lock:
+            await channel.send_frame(HelloReply(problem is None, problem or "", me))
+    return problem is None
+
+
+class _PushReader:
+    def __init__(self, channel: Channel, receiver: PoolReceiver) -> None:
+        self.channel = channel
+        self.receiver = receiver
+        self.adm: Admission | None = None  # the push being read, until its verdict is decided
+
+    def fail(self, reason: str) -> None:
+        if self.adm is not None:
+            self.receiver.abort(self.adm, reason)
+            self.adm = None
+
+    async def run(self) -> None:
+        while True:
+            frame = await self.channel.recv_frame()
+            if isinstance(frame, Cancel):
+                self.receiver.cancel(frame.transfer_id)
+            elif isinstance(frame, PushHeader):
+                verdict = await self._read_push(frame)
+                async with self.channel.send_lock:
+                    await self.channel.send_frame(Verdict(verdict))
+            else:
+                raise ProtocolError(f"unexpected {type(frame).__name__} between pushes")
+
+    async def _read_push(self, header: PushHeader) -> TransferResult:
+        manifest = header.manifest
+        if header.page_nbytes < 1 or manifest.num_pages < 1:
+            raise ProtocolError(f"bad push header for {manifest.transfer_id}")
+        self.adm = adm = self.receiver.admit(manifest, header.dst_pages, header.page_nbytes)
+        received = 0
+        while True:
+            frame = await self.channel.recv_frame()
+            if isinstance(frame, Page):
+                if frame.index != received or received >= manifest.num_pages:
+                    raise ProtocolError(f"page {frame.index} out of order in {manifest.transfer_id}")
+                index = received
+                await self.channel.recv_page(header.page_nbytes, lambda: self.receiver.target(adm, index))
+                received += 1
+            elif isinstance(frame, PushEnd) and frame.transfer_id == manifest.transfer_id:
+                verdict = self.receiver.finish(adm, received, frame.digests)
+                break
+            elif isinstance(frame, PushAbort) and frame.transfer_id == manifest.transfer_id:
+                verdict = self.receiver.abort(adm, frame.reason or "cancelled")
+                break
+            else:
+                raise ProtocolError(f"unexpected {type(frame).__name__} inside push {manifest.transfer_id}")
+        self.adm = None
+        return verdict
