@@ -60,6 +60,8 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chunk-tokens", type=int, default=None, help="prefill chunk size in tokens")
     srv.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",
                      help="seconds in-flight requests get to finish after SIGTERM")
+    srv.add_argument("--transfer-timeout", type=float, default=None, dest="transfer_timeout_s",
+                     help="seconds a KV transfer may take before it fails (its pages are quarantined)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     srv.add_argument("--log-level", default="info")
 

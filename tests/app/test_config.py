@@ -1,0 +1,49 @@
+"""Server settings: defaults < TOML file < KVFENCE_* variables < flags, with actionable errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvfence.app.config import ServeConfig, load_config, parse_bytes
+
+
+def test_precedence(tmp_path: Path) -> None:
+    f = tmp_path / "kvfence.toml"
+    f.write_text('port = 9001\nmax-running = 3\ntransport = "inprocess"\nmax_queue = 7\n')
+    c = load_config({"port": 9003, "max_queue": None}, {"KVFENCE_PORT": "9002", "KVFENCE_MAX_RUNNING": "5"}, f)
+    assert (c.port, c.max_running, c.transport, c.max_queue) == (9003, 5, "inprocess", 7)
+    assert load_config({}, {}, None) == ServeConfig()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"disaggregation": "maybe"}, "--disaggregation must be 'on' or 'off'"),
+    ({"port": 70000}, "--port must be in"),
+    ({"max_running": 0}, "--max-running must be > 0"),
+    ({"decode_num_pages": -1}, "--decode-num-pages must be > 0"),
+    ({"prefill_kv_memory": "lots"}, "cannot read 'lots' as a size"),
+])
+def test_bad_values(flags: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(flags, {}, None)
+
+
+def test_bad_file_and_env(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text("prot = 1\n")
+    with pytest.raises(ValueError, match="unknown setting 'prot'"):
+        load_config({}, {}, f)
+    f.write_text("port = \n")
+    with pytest.raises(ValueError, match="bad.toml"):
+        load_config({}, {}, f)
+    with pytest.raises(ValueError, match="KVFENCE_PORT='http'"):
+        load_config({}, {"KVFENCE_PORT": "http"}, None)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("-1GiB")
