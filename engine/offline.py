@@ -129,10 +129,15 @@ class OfflineEngine:
                 break
             chunk = s.tokens[s.num_cached: s.num_cached + budget]
             done = s.num_cached + len(chunk) == len(s.tokens)
-            works.append(SeqWork(chunk, s.num_cached, s.pages, s.params if done else None, s.num_generated))
+            works.append(SeqWork(chunk, s.num_cached, s.pages, s.lease, s.params if done else None,
+                                 s.num_generated))
             owners.append(s)
             budget -= len(chunk)
         result = self.runner.step(works, return_logits=return_logits)
+        if result.violations:  # pages are handed out by this engine's own ledger: a bug if it happens
+            v = result.violations[0]
+            raise RuntimeError(f"KV integrity violation: page {v.page} owned by lease {v.owner:032x}, "
+                               f"read by {v.lease:032x}")
         row = 0
         for s, w, tok in zip(owners, works, result.tokens):
             s.num_cached += len(w.token_ids)

@@ -14,6 +14,7 @@ import torch
 from kvfence.engine.attention import build_attention_batch
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
+from kvfence.engine.owner_check import OwnerViolation, check_owner_tags
 from kvfence.engine.sampling import Sampler, SamplingParams
 
 
@@ -24,6 +25,7 @@ class SeqWork:
     token_ids: list[int]  # tokens fed this step: a prefill chunk, or the one last sampled token
     context_tokens: int  # tokens of this sequence already in the KV cache
     page_table: list[int]  # pages covering context_tokens + len(token_ids), in order
+    lease: int  # the lease these pages must be tagged with; checked before anything is read
     sampling: SamplingParams | None  # None: an intermediate prefill chunk, nothing sampled
     output_index: int = 0  # index of the token to sample within the output (seeds the noise)
 
@@ -34,26 +36,42 @@ class SeqWork:
 
 @dataclasses.dataclass
 class StepResult:
-    tokens: list[int | None]  # sampled token per SeqWork, in the caller's order
+    tokens: list[int | None]  # sampled token per SeqWork, in the caller's order (None if not run)
     logits: torch.Tensor | None  # [num sampled, vocab] float32 when asked for, in the same order
+    violations: list[OwnerViolation] = dataclasses.field(default_factory=list)  # works taken out
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, sampler: Sampler | None = None) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, sampler: Sampler | None = None, *,
+                 owner_check: bool = True) -> None:
+        """`owner_check=False` exists only so benchmarks can measure the check's cost."""
         if pool.config != model.config:
             raise ValueError("the KV pool was built for a different model config")
         self.model = model
         self.pool = pool
         self.sampler = sampler or Sampler()
+        self.owner_check = owner_check
 
     def step(self, works: list[SeqWork], return_logits: bool = False) -> StepResult:
-        """Run one forward over `works` (decodes are batched together; prefill chunks follow)."""
+        """Run one forward over `works` (decodes are batched together; prefill chunks follow).
+
+        Every page a work touches must carry its lease (owner_check); a work that fails the check
+        is left out of the forward, gets no token, and is reported in `violations`."""
         page_size = self.pool.page_size_tokens
         for w in works:
             needed = -(-(w.context_tokens + len(w.token_ids)) // page_size)
             if not w.token_ids or len(w.page_table) < needed:
                 raise ValueError(f"sequence step needs {needed} pages and at least one token, "
                                  f"got {len(w.page_table)} pages and {len(w.token_ids)} tokens")
+        violations = check_owner_tags(self.pool, works) if self.owner_check else []
+        if violations:
+            excluded = {v.work_index for v in violations}
+            kept = [i for i in range(len(works)) if i not in excluded]
+            inner = self.step([works[i] for i in kept], return_logits) if kept else StepResult([], None)
+            tokens: list[int | None] = [None] * len(works)
+            for i, tok in zip(kept, inner.tokens):
+                tokens[i] = tok
+            return StepResult(tokens, inner.logits, violations)
         order = [i for i, w in enumerate(works) if w.is_decode] + \
                 [i for i, w in enumerate(works) if not w.is_decode]
         num_decode = sum(1 for w in works if w.is_decode)
@@ -75,7 +93,7 @@ class ModelRunner:
             [(works[i].page_table, works[i].context_tokens, len(works[i].token_ids)) for i in order[num_decode:]],
             device,
         )
-        tokens: list[int | None] = [None] * len(works)
+        tokens = [None] * len(works)
         logits = self.model.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
                                     batch, self.pool, torch.tensor(score_rows, dtype=torch.int64, device=device))
         if not scored:

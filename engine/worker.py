@@ -17,7 +17,7 @@ import torch
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.scheduler.messages import (
-    RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, id_from_hex,
+    OwnerMismatch, RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, id_from_hex, id_hex,
 )
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,13 @@ class Worker:
             self.pool.assign(grant.pages, id_from_hex(grant.lease))
         if not cmd.seqs:
             return StepDone(cmd.step_id, [])
-        works = [SeqWork(s.token_ids, s.context_tokens, s.page_table,
+        works = [SeqWork(s.token_ids, s.context_tokens, s.page_table, id_from_hex(s.lease),
                          s.sampling.params() if s.sampling is not None else None, s.output_index)
                  for s in cmd.seqs]
         with torch.inference_mode():
             result = self.runner.step(works)
-        return StepDone(cmd.step_id, result.tokens)
+        return StepDone(cmd.step_id, result.tokens,
+                        [OwnerMismatch(v.work_index, v.page, id_hex(v.owner)) for v in result.violations])
 
 
 class WorkerChannel:

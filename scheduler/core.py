@@ -25,7 +25,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, context_length_exceeded, overloaded
 from kvfence.scheduler.handle import OutputDelta, RequestHandle
 from kvfence.scheduler.ids import mint_id
-from kvfence.scheduler.messages import PageGrant, RunStep, SeqStep, StepDone, id_hex
+from kvfence.scheduler.messages import PageGrant, RunStep, SeqStep, StepDone, WorkerReply, id_hex
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.page_ledger import PageLedger
 from kvfence.scheduler.policy import decode_step, prefill_chunks
@@ -224,9 +224,24 @@ class Scheduler:
         else:
             req.handle.push(OutputDelta(text, [token]))
 
-    def _fail_step(self, reqs: list[Request], message: str) -> None:
-        for req in reqs:
-            self._end(req, RequestError(500, "worker_error", f"the model step failed: {message}"))
+    def _settle(self, role: str, reqs: list[Request], seqs: list[SeqStep], reply: WorkerReply) -> StepDone | None:
+        """Fail the requests of a failed step, or those whose pages failed the owner-tag check.
+
+        Returns the reply when the step ran (its other requests carry on), else None."""
+        if not isinstance(reply, StepDone):
+            for req in reqs:
+                self._end(req, RequestError(500, "worker_error", f"the model step failed: {reply.message}"))
+            return None
+        for v in reply.violations:
+            req, seq = reqs[v.seq_index], seqs[v.seq_index]
+            log.error("KV integrity violation on the %s worker: page %d belongs to lease %s, was to be read by "
+                      "lease %s (request %s); the request is failed closed", role, v.page, v.owner, seq.lease,
+                      req.request_id)
+            self.metrics.integrity_violation(role)
+            self._end(req, RequestError(500, "kv_integrity_error",
+                                        "a KV page of this request failed its ownership check; the request was "
+                                        "stopped before the step's token was sent"))
+        return reply
 
     # ---- loops ----
 
@@ -265,14 +280,17 @@ class Scheduler:
             if not seqs and not chunks:
                 await self._wait_for_prefill_work()
                 continue
-            reply = await self.prefill.channel.call(self.prefill.message(self._next_step_id(), seqs + [s for _, s in chunks]))
-            if not isinstance(reply, StepDone):
-                self._fail_step(decodes + [r for r, _ in chunks], reply.message)
+            all_seqs = seqs + [s for _, s in chunks]
+            reply = self._settle("colocated", decodes + [r for r, _ in chunks], all_seqs,
+                                 await self.prefill.channel.call(self.prefill.message(self._next_step_id(), all_seqs)))
+            if reply is None:
                 continue
             for req, token in zip(decodes, reply.tokens):
                 if not req.state.terminal and token is not None:
                     self._accept_token(req, token)
             for (req, seq), token in zip(chunks, reply.tokens[len(seqs):]):
+                if req.state.terminal:
+                    continue
                 req.prefilled += len(seq.token_ids)
                 if token is not None and not req.state.terminal:
                     self.prefilling.remove(req)
@@ -289,11 +307,14 @@ class Scheduler:
             if not chunks:
                 await self._wait_for_prefill_work()
                 continue
-            reply = await self.prefill.channel.call(self.prefill.message(self._next_step_id(), [s for _, s in chunks]))
-            if not isinstance(reply, StepDone):
-                self._fail_step([r for r, _ in chunks], reply.message)
+            seqs = [s for _, s in chunks]
+            reply = self._settle("prefill", [r for r, _ in chunks], seqs,
+                                 await self.prefill.channel.call(self.prefill.message(self._next_step_id(), seqs)))
+            if reply is None:
                 continue
             for (req, seq), token in zip(chunks, reply.tokens):
+                if req.state.terminal:
+                    continue
                 req.prefilled += len(seq.token_ids)
                 if token is not None and not req.state.terminal:
                     self.prefilling.remove(req)
@@ -341,9 +362,9 @@ class Scheduler:
                 await self._wait_for_decode_work()
                 continue
             seqs = [decode_step(r, r.decode_lease, r.decode_pages, len(r.tokens) - 1) for r in decodes]
-            reply = await self.decode.channel.call(self.decode.message(self._next_step_id(), seqs))
-            if not isinstance(reply, StepDone):
-                self._fail_step(decodes, reply.message)
+            reply = self._settle("decode", decodes, seqs,
+                                 await self.decode.channel.call(self.decode.message(self._next_step_id(), seqs)))
+            if reply is None:
                 continue
             for req, token in zip(decodes, reply.tokens):
                 if not req.state.terminal and token is not None:

@@ -58,9 +58,18 @@ class RunStep(msgspec.Struct, frozen=True, tag="run_step"):
     released: list[int] = []
 
 
+class OwnerMismatch(msgspec.Struct, frozen=True):
+    """A seq was taken out of a step: one of its pages carries another lease's tag."""
+
+    seq_index: int
+    page: int
+    owner: str  # the lease the page belongs to (32 hex digits; all zeros = free)
+
+
 class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     step_id: int
-    tokens: list[int | None]  # sampled token per seq, in order
+    tokens: list[int | None]  # sampled token per seq, in order; None for a seq that did not run
+    violations: list[OwnerMismatch] = []
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):

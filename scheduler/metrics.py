@@ -31,11 +31,16 @@ class SchedulerMetrics:
         self.running = Gauge("kvfence_requests_running", "Requests holding pages", registry=r)
         self.transfers = Counter("kvfence_kv_transfers", "KV transfers by result", ["result"], registry=r)
         self.transfer_bytes = Counter("kvfence_kv_transfer_bytes", "Bytes of KV moved", registry=r)
+        self.integrity_violations = Counter("kvfence_kv_integrity_violations", "Reads refused by the owner-tag check",
+                                            ["role"], registry=r)
         self.rejections = Counter("kvfence_admission_rejections", "Requests refused at admission",
                                   ["reason"], registry=r)
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    def integrity_violation(self, role: str) -> None:
+        self.integrity_violations.labels(role).inc()
 
     def queue_sizes(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)

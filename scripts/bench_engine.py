@@ -22,32 +22,44 @@ from kvfence.engine.sampling import SamplingParams
 
 PAGE_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0)
+LEASE = 1 << 100  # any nonzero 128-bit lease
 
 
-def bench(runner: ModelRunner, batch: int, prompt_tokens: int, decode_steps: int, vocab: int) -> tuple[float, float]:
-    """Returns (prefill tok/s of one prompt, decode tok/s summed over the batch)."""
+def bench(runners: list[ModelRunner], batch: int, prompt_tokens: int, decode_steps: int,
+          vocab: int) -> tuple[float, list[float]]:
+    """Returns (prefill tok/s of one prompt, decode tok/s summed over the batch, one per runner).
+
+    With several runners (same model and pool, different settings), decode steps alternate between
+    them step by step, so machine noise and drift fall on all of them alike."""
+    runner = runners[0]
     pages_per_seq = -(-(prompt_tokens + decode_steps + 1) // PAGE_SIZE)
     tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
+    for i, table in enumerate(tables):
+        runner.pool.assign(table, LEASE + i)  # the owner-tag check runs, as in serving
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, vocab, (prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
     last: list[int] = []
     prefill_s = 0.0
     for i, (table, prompt) in enumerate(zip(tables, prompts)):
         t0 = time.perf_counter()
-        out = runner.step([SeqWork(prompt, 0, table, GREEDY)])
+        out = runner.step([SeqWork(prompt, 0, table, LEASE + i, GREEDY)])
         if i == 0:
             prefill_s = time.perf_counter() - t0
         last.append(out.tokens[0])  # type: ignore[arg-type]
     ctx = prompt_tokens
-    runner.step([SeqWork([t], ctx, tb, GREEDY) for t, tb in zip(last, tables)])  # warm-up
-    ctx += 1
-    t0 = time.perf_counter()
-    for _ in range(decode_steps):
-        out = runner.step([SeqWork([t], ctx, tb, GREEDY) for t, tb in zip(last, tables)])
+    spent = [0.0] * len(runners)
+    steps = [0] * len(runners)
+    for step in range(decode_steps + 1):
+        k = step % len(runners)
+        t0 = time.perf_counter()
+        out = runners[k].step([SeqWork([t], ctx, tb, LEASE + i, GREEDY)
+                               for i, (t, tb) in enumerate(zip(last, tables))])
+        if step > 0:  # the first step warms up
+            spent[k] += time.perf_counter() - t0
+            steps[k] += 1
         last = out.tokens  # type: ignore[assignment]
         ctx += 1
-    decode_s = time.perf_counter() - t0
-    return prompt_tokens / prefill_s, batch * decode_steps / decode_s
+    return prompt_tokens / prefill_s, [batch * n / t for n, t in zip(steps, spent)]
 
 
 def main() -> None:
@@ -58,6 +70,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--guards", default="on", choices=["on", "off", "both"],
+                    help="owner-tag check on every step (on), off, or both in alternation for a ratio")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,10 +84,15 @@ def main() -> None:
         dtype = DTYPES[name]
         model = LlamaModel(checkpoint, dtype)
         pages = max(batches) * (-(-(args.prompt_tokens + args.decode_steps + 1) // PAGE_SIZE))
-        runner = ModelRunner(model, KVPool(model.config, pages, PAGE_SIZE, dtype))
+        pool = KVPool(model.config, pages, PAGE_SIZE, dtype)
+        checks = {"on": [True], "off": [False], "both": [True, False]}[args.guards]
+        runners = [ModelRunner(model, pool, owner_check=c) for c in checks]
         for b in batches:
-            prefill, decode = bench(runner, b, args.prompt_tokens, args.decode_steps, model.config.vocab_size)
-            print(f"{name:<10}{b:>6}{prefill:>15.0f}{decode:>14.1f}", flush=True)
+            prefill, decodes = bench(runners, b, args.prompt_tokens, args.decode_steps, model.config.vocab_size)
+            print(f"{name:<10}{b:>6}{prefill:>15.0f}{decodes[0]:>14.1f}", flush=True)
+            if len(decodes) == 2:
+                print(f"{'':<10}{'':>6}{'(no check)':>15}{decodes[1]:>14.1f}   "
+                      f"ratio with/without owner check: {decodes[0] / decodes[1]:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -206,3 +206,31 @@ async def test_abort_returns_every_page(harness: Harness, after_tokens: int) -> 
     ids, _, reason, _ = await collect(s.submit([4, 5, 6], SamplingParams(temperature=0, max_tokens=3)))
     assert reason in ("stop", "length") and ids
     await wait_idle(harness)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+async def test_foreign_page_tag_fails_only_that_request(harness: Harness, tiny: Checkpoint, pool: str) -> None:
+    """A page whose tag is not the reader's lease (here: a corrupted grant) fails that request closed
+    with kv_integrity_error before the step's token; the other request's output is untouched."""
+    s = harness.scheduler
+    ps = prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = offline_greedy(tiny, ps, 8)
+    good = s.submit(ps[0], params)
+    bad = s.submit(ps[1], params)
+    side = s.prefill if pool == "prefill" else s.decode
+    # The grant for the second request tags its first page with a stranger's lease.
+    grant = side.grants[-1]
+    stranger = id_hex(mint_id())
+    side.grants[-1] = type(grant)(stranger, grant.pages[:1])
+    side.grants.append(type(grant)(grant.lease, grant.pages[1:]))
+    good_out, bad_out = await collect(good), await collect(bad)
+    assert good_out[0] == want[0][0] and good_out[2] == "length"
+    ids, text, reason, error = bad_out
+    assert error == "kv_integrity_error" and reason is None
+    if pool == "prefill" or not s.config.disaggregated:
+        assert ids == [] and text == ""  # failed before its first token
+    assert s.metrics.integrity_violations.labels(
+        "colocated" if not s.config.disaggregated else pool)._value.get() == 1
+    await wait_idle(harness)

@@ -1,0 +1,62 @@
+"""The owner-tag check in the runner: a sequence never reads a page tagged with another lease."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import TinySpec, make_tiny_pair
+
+from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.owner_check import check_owner_tags
+from kvfence.engine.runner import ModelRunner, SeqWork
+from kvfence.engine.sampling import SamplingParams
+
+A, B = (7 << 100) | 1, (9 << 90) | 5  # two 128-bit leases
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    gguf_path, _, _ = make_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=5, spec=TinySpec())
+    return load_checkpoint(gguf_path)
+
+
+def runner(tiny: Checkpoint) -> ModelRunner:
+    model = LlamaModel(tiny, torch.float32)
+    return ModelRunner(model, KVPool(model.config, 16, 4, torch.float32))
+
+
+def test_foreign_page_is_never_read_and_others_are_unaffected(tiny: Checkpoint) -> None:
+    r = runner(tiny)
+    r.pool.assign([0, 1], A)
+    r.pool.assign([2, 3], B)
+    prompt_a, prompt_b = [5, 6, 7, 8, 9], [10, 11, 12]
+    alone = r.step([SeqWork(prompt_a, 0, [0, 1], A, GREEDY)]).tokens[0]
+    before = r.pool.data[1].clone()
+    # B's table names A's page 1: B is taken out before anything is read or written.
+    out = r.step([SeqWork(prompt_a, 0, [0, 1], A, GREEDY), SeqWork(prompt_b, 0, [1], B, GREEDY)])
+    assert out.tokens == [alone, None]
+    (v,) = out.violations
+    assert (v.work_index, v.page, v.lease, v.owner) == (1, 1, B, A)
+    torch.testing.assert_close(r.pool.data[1], before)  # B wrote nothing into A's page
+
+
+def test_free_pages_and_new_token_pages_are_checked(tiny: Checkpoint) -> None:
+    r = runner(tiny)
+    r.pool.assign([0], A)
+    # Context of 4 tokens fills page 0; the new token lands in page 5, which nobody owns.
+    (v,) = check_owner_tags(r.pool, [SeqWork([3], 4, [0, 5], A, GREEDY)])
+    assert (v.page, v.owner) == (5, 0)
+    assert check_owner_tags(r.pool, [SeqWork([3], 3, [0, 5], A, GREEDY)]) == []  # page 5 not touched yet
+    r.pool.clear([0])
+    (v,) = check_owner_tags(r.pool, [SeqWork([3], 3, [0], A, GREEDY)])
+    assert v.owner == 0
+
+
+def test_only_the_first_bad_page_per_sequence_is_reported(tiny: Checkpoint) -> None:
+    r = runner(tiny)
+    r.pool.assign([0, 1, 2], B)
+    violations = check_owner_tags(r.pool, [SeqWork([1] * 10, 0, [0, 1, 2], A, GREEDY)])
+    assert [(v.page, v.owner) for v in violations] == [(0, B)]
