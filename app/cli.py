@@ -1,4 +1,4 @@
-"""The `kvfence` command: `serve`, `generate` (offline, colocated) and `fetch`."""
+"""The `kvfence` command: `serve`, `check` (KV pool sizing), `generate` (offline, colocated) and `fetch`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,42 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     p.add_argument("--page-size", type=int, default=16, dest="page_size_tokens", help="tokens per KV page")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The `serve` settings (also read by `check`): None defaults, so the config file and env still apply."""
+    p.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, Hugging Face model directory, or known name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    p.add_argument("--disaggregation", choices=["on", "off"], default=None,
+                   help="on: separate prefill and decode workers with a KV transport (default); off: one worker")
+    p.add_argument("--transport", default=None, help="KV transport plugin (default tcp)")
+    p.add_argument("--prefill-device", default=None, help="auto, cpu or cuda:N")
+    p.add_argument("--decode-device", default=None, help="auto, cpu or cuda:N")
+    p.add_argument("--page-size", type=int, default=None, dest="page_size_tokens", help="tokens per KV page")
+    p.add_argument("--prefill-num-pages", type=int, default=None)
+    p.add_argument("--decode-num-pages", type=int, default=None)
+    p.add_argument("--prefill-kv-memory", default=None, help="prefill KV pool size, e.g. 1GiB")
+    p.add_argument("--decode-kv-memory", default=None, help="decode KV pool size, e.g. 2GiB")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + completion, in tokens")
+    p.add_argument("--clamp-context", action="store_const", const=True, default=None,
+                   help="serve the largest context every KV pool holds instead of refusing an undersized pool")
+    p.add_argument("--max-running", type=int, default=None, help="requests holding pages at once")
+    p.add_argument("--max-queue", type=int, default=None, help="requests waiting for pages before 503")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="prefill chunk size in tokens")
+    p.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--kv-scrub", default=None, choices=["poison", "zero", "off"],
+                   help="what freed KV pages are filled with (default poison: a stale read shows)")
+    p.add_argument("--canary-interval", type=float, default=None, dest="canary_interval_s",
+                   help="seconds between readiness canaries through the real serving path (default 30)")
+    p.add_argument("--transfer-timeout", type=float, default=None, dest="transfer_timeout_s",
+                   help="seconds a KV transfer may take before it fails (its pages are quarantined)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    p.add_argument("--log-level", default="info")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -38,32 +74,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with ids and text")
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    srv.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
-    srv.add_argument("--model", default=None,
-                     help="GGUF file, Hugging Face model directory, or known name (default: SmolLM2-135M-Instruct)")
-    srv.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    srv.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
-    srv.add_argument("--disaggregation", choices=["on", "off"], default=None,
-                     help="on: separate prefill and decode workers with a KV transport (default); off: one worker")
-    srv.add_argument("--transport", default=None, help="KV transport plugin (default tcp)")
-    srv.add_argument("--prefill-device", default=None, help="auto, cpu or cuda:N")
-    srv.add_argument("--decode-device", default=None, help="auto, cpu or cuda:N")
-    srv.add_argument("--page-size", type=int, default=None, dest="page_size_tokens", help="tokens per KV page")
-    srv.add_argument("--prefill-num-pages", type=int, default=None)
-    srv.add_argument("--decode-num-pages", type=int, default=None)
-    srv.add_argument("--prefill-kv-memory", default=None, help="prefill KV pool size, e.g. 1GiB")
-    srv.add_argument("--decode-kv-memory", default=None, help="decode KV pool size, e.g. 2GiB")
-    srv.add_argument("--max-context", type=int, default=None, help="longest prompt + completion, in tokens")
-    srv.add_argument("--max-running", type=int, default=None, help="requests holding pages at once")
-    srv.add_argument("--max-queue", type=int, default=None, help="requests waiting for pages before 503")
-    srv.add_argument("--chunk-tokens", type=int, default=None, help="prefill chunk size in tokens")
-    srv.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",
-                     help="seconds in-flight requests get to finish after SIGTERM")
-    srv.add_argument("--transfer-timeout", type=float, default=None, dest="transfer_timeout_s",
-                     help="seconds a KV transfer may take before it fails (its pages are quarantined)")
-    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
-    srv.add_argument("--log-level", default="info")
+    _add_serve_args(srv)
+
+    chk = sub.add_parser("check", help="check the KV pool sizes against the context, without loading weights")
+    _add_serve_args(chk)
 
     fetch = sub.add_parser("fetch", help="fetch a known model into the cache and print its path")
     fetch.add_argument("model", nargs="?", default=None)
@@ -117,14 +131,65 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvfence.app.config import load_config
     from kvfence.app.server import serve
-    from kvfence.engine.loading import load_model_spec
-    from kvfence.engine.model_registry import served_name
+    from kvfence.app.sizing import plan_pools, resolve_context
+    from kvfence.engine.checkpoint import load_checkpoint
+    from kvfence.engine.loading import pick_device, pick_dtype
+    from kvfence.engine.model_registry import resolve_model, served_name
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(vars(args), os.environ, args.config)
-    checkpoint = load_model_spec(config.model, kvfence_home())
+    path = resolve_model(config.model, kvfence_home())
+    # Refuse an undersized pool before reading any weights (build_workers checks again).
+    model = _read_model_config(path)
+    element_size = pick_dtype(config.dtype, pick_device(config.prefill_device)).itemsize
+    resolve_context(config, model, plan_pools(config, model, element_size))
+    checkpoint = load_checkpoint(path)
     name = args.served_model_name or served_name(config.model)
     anyio.run(serve, config, checkpoint, name)
+    return 0
+
+
+def _read_model_config(path: Path):  # -> ModelConfig
+    """The model's architecture from its GGUF metadata or config.json alone: no weights are read."""
+    from kvfence.engine import gguf_loader, hf_loader
+    from kvfence.engine.checkpoint import CheckpointError
+
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{path}: not a model directory (no config.json)")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{cfg_path}: cannot read it ({e})") from e
+        return hf_loader.config_from_hf(raw, str(path))
+    return gguf_loader.config_from_fields(gguf_loader._open(path), path)
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Print each KV pool's size against the context; 0 when every pool holds it (after
+    --clamp-context, if given), 1 with the fix printed when one does not."""
+    import os
+
+    from kvfence.app.config import load_config
+    from kvfence.app.sizing import UndersizedPoolError, configured_context, plan_pools, render_table, resolve_context
+    from kvfence.engine.loading import pick_device, pick_dtype
+    from kvfence.engine.model_registry import resolve_model
+
+    config = load_config(vars(args), os.environ, args.config)
+    model = _read_model_config(resolve_model(config.model, kvfence_home()))
+    dtype = pick_dtype(config.dtype, pick_device(config.prefill_device))
+    plans = plan_pools(config, model, dtype.itemsize)
+    try:
+        context, verdicts = resolve_context(config, model, plans)
+    except UndersizedPoolError as e:
+        print(render_table(e.verdicts))
+        print(f"kvfence: error: {e}", file=sys.stderr)
+        return 1
+    print(render_table(verdicts))
+    configured = configured_context(config, model)
+    if context != configured:
+        print(f"context clamped from {configured} to {context} tokens (--clamp-context)")
     return 0
 
 
@@ -145,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "check":
+            return _check(args)
         return _fetch(args)
     except (ValueError, FileNotFoundError, CheckpointError, FetchError) as e:
         print(f"kvfence: error: {e}", file=sys.stderr)

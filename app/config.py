@@ -25,11 +25,14 @@ class ServeConfig:
     prefill_kv_memory: str | None = None  # e.g. "2GiB"
     decode_kv_memory: str | None = None
     max_context: int | None = None  # default: the model's context
+    clamp_context: bool = False  # True: shrink the context to what every KV pool holds, not refuse
     max_running: int = 64
     max_queue: int = 256
     chunk_tokens: int = 512
     shutdown_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    canary_interval_s: float = 30.0  # how often the readiness canary re-checks the serving path
+    kv_scrub: str = "poison"  # what freed KV pages are filled with: poison | zero | off
 
     def __post_init__(self) -> None:
         if self.disaggregation not in ("on", "off"):
@@ -43,6 +46,10 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if self.kv_scrub not in ("poison", "zero", "off"):
+            raise ValueError(f"--kv-scrub must be poison, zero or off, got {self.kv_scrub!r}")
+        if self.canary_interval_s <= 0:
+            raise ValueError(f"--canary-interval must be > 0 s, got {self.canary_interval_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
         for name in ("prefill_kv_memory", "decode_kv_memory"):
@@ -70,10 +77,19 @@ def parse_bytes(text: str) -> int:
 _FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _coerce(name: str, value: Any) -> Any:
     kind = _FIELDS[name].type
     if value is None or not isinstance(value, str):
         return value
+    if "bool" in str(kind):
+        if value.strip().lower() in _TRUE:
+            return True
+        if value.strip().lower() in _FALSE:
+            return False
+        raise ValueError(value)
     if "int" in str(kind):
         return int(value)
     if "float" in str(kind):

@@ -18,6 +18,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from kvfence.app.config import ServeConfig
 from kvfence.app.http_api import build_app
+from kvfence.app.readiness import ReadinessCanary
 from kvfence.app.workers import build_workers
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
@@ -41,11 +42,11 @@ PAGE_LAYOUT = "pages,layers,kv,kv_heads,page_size,head_dim"
 class ServingEngine:
     """What the HTTP layer talks to (app/engine_client.EngineClient)."""
 
-    def __init__(self, model_name: str, tokenizer: Tokenizer, scheduler: Scheduler) -> None:
+    def __init__(self, model_name: str, tokenizer: Tokenizer, scheduler: Scheduler, canary: ReadinessCanary) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.scheduler = scheduler
-        self.started = False
+        self.canary = canary
 
     @property
     def max_context_tokens(self) -> int:
@@ -55,7 +56,7 @@ class ServingEngine:
         return self.scheduler.submit(prompt_token_ids, sampling)
 
     def is_ready(self) -> bool:
-        return self.started and not self.scheduler.draining
+        return self.canary.passed and not self.scheduler.draining
 
 
 def model_identity(checkpoint: Checkpoint, name: str) -> str:
@@ -81,7 +82,7 @@ async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) ->
     workers = build_workers(config, checkpoint)
     prefill_pool = workers.prefill.pool
     decode_pool = workers.decode.pool if workers.decode is not None else prefill_pool
-    context = min(workers.max_context_tokens, prefill_pool.capacity_tokens, decode_pool.capacity_tokens)
+    context = workers.max_context_tokens  # every pool holds it (checked before allocation)
     metrics = SchedulerMetrics()
     async with anyio.create_task_group() as tg:
         link = None
@@ -109,7 +110,9 @@ async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) ->
             WorkerChannel(workers.decode) if workers.decode is not None else None,
             prefill_pages=prefill_pool.num_pages, decode_pages=decode_pool.num_pages, link=link, metrics=metrics)
         await scheduler.run(tg)
-        engine = ServingEngine(model_name, checkpoint.tokenizer, scheduler)
+        canary = ReadinessCanary(scheduler, checkpoint.tokenizer, workers.prefill.runner.model,
+                                 interval_s=config.canary_interval_s, timeout_s=config.transfer_timeout_s + 30)
+        engine = ServingEngine(model_name, checkpoint.tokenizer, scheduler, canary)
 
         def metrics_text() -> tuple[bytes, str]:
             scheduler.refresh_metrics()
@@ -122,7 +125,7 @@ async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) ->
         hyper.graceful_timeout = 1.0
         shutdown = anyio.Event()
         tg.start_soon(_drain_on_signal, scheduler, shutdown, config.shutdown_timeout_s)
-        engine.started = True
+        tg.start_soon(canary.run, name="readiness-canary")
         log.info("serving %s on http://%s:%d (context %d tokens, %s)", model_name, config.host, config.port,
                  context, "disaggregated" if workers.decode is not None else "colocated")
         served = anyio.Event()

@@ -7,7 +7,8 @@ import logging
 
 import torch
 
-from kvfence.app.config import ServeConfig, parse_bytes
+from kvfence.app.config import ServeConfig
+from kvfence.app.sizing import plan_pools, resolve_context
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
@@ -23,42 +24,33 @@ class Workers:
     prefill: Worker
     decode: Worker | None  # None when colocated
     dtype: torch.dtype
-    max_context_tokens: int  # min of the configured and the model's context
-
-
-def _pool_pages(config: ServeConfig, role: str, bytes_per_page: int, context_tokens: int) -> int:
-    pages = getattr(config, f"{role}_num_pages")
-    memory = getattr(config, f"{role}_kv_memory")
-    if pages is not None:
-        return int(pages)
-    if memory is not None:
-        return max(1, parse_bytes(memory) // bytes_per_page)
-    contexts = 2 if role == "prefill" else 4
-    return -(-contexts * context_tokens // config.page_size_tokens)
+    max_context_tokens: int  # the context every pool holds (app/sizing.resolve_context)
 
 
 def build_workers(config: ServeConfig, checkpoint: Checkpoint) -> Workers:
-    """One worker per role (or one colocated worker); models on the same device share weights."""
-    context = min(config.max_context or checkpoint.config.max_context_tokens, checkpoint.config.max_context_tokens)
+    """One worker per role (or one colocated worker); models on the same device share weights.
+
+    Raises UndersizedPoolError, before anything is allocated, when a pool cannot hold one request
+    of the full context (unless config.clamp_context)."""
     roles = ["prefill"] if config.disaggregation == "off" else ["prefill", "decode"]
     devices = {"prefill": pick_device(config.prefill_device), "decode": pick_device(config.decode_device)}
     dtype = pick_dtype(config.dtype, devices["prefill"])
+    # Pool sizes (a colocated pool is sized like a decode pool) come from app/sizing.py.
+    plans = plan_pools(config, checkpoint.config, torch.empty(0, dtype=dtype).element_size())
+    context, verdicts = resolve_context(config, checkpoint.config, plans)
+    for verdict in verdicts:
+        if verdict.verdict != "ok":
+            log.warning("%s", verdict.describe())
     models: dict[torch.device, LlamaModel] = {}
     workers: dict[str, Worker] = {}
-    for role in roles:
+    for role, plan in zip(roles, plans, strict=True):
         device = devices[role]
         if device not in models:
             models[device] = LlamaModel(checkpoint, dtype, device)
         model = models[device]
-        bytes_per_page = model.config.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size()) \
-            * config.page_size_tokens
-        # A colocated worker holds prompt and output, like a decode worker: size it like one.
-        sizing_role = role if config.disaggregation == "on" else "decode"
-        num_pages = _pool_pages(config, sizing_role, bytes_per_page, context)
-        pool = KVPool(model.config, num_pages, config.page_size_tokens, dtype, device)
-        name = role if config.disaggregation == "on" else "colocated"
-        log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s)", name, device,
-                 num_pages, config.page_size_tokens, pool.capacity_tokens, num_pages * bytes_per_page / 2**20,
+        pool = KVPool(model.config, plan.num_pages, plan.page_size_tokens, dtype, device)
+        log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s)", plan.role, device,
+                 plan.num_pages, plan.page_size_tokens, pool.capacity_tokens, plan.pool_bytes / 2**20,
                  str(dtype).removeprefix("torch."))
-        workers[role] = Worker(name, ModelRunner(model, pool))
+        workers[role] = Worker(plan.role, ModelRunner(model, pool), scrub=config.kv_scrub)
     return Workers(workers["prefill"], workers.get("decode"), dtype, context)

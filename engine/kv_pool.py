@@ -18,6 +18,11 @@ import torch
 from kvfence.engine.model_config import ModelConfig
 
 _MASK64 = (1 << 64) - 1
+SCRUB_MODES = ("poison", "zero", "off")
+# Finite on purpose: attention also touches the masked tail of a sequence's last page, and a NaN
+# there would poison correct results (0 * NaN = NaN); a large finite value is harmless when masked
+# and dominates the scores when read. Small enough that q.k stays finite in fp16.
+POISON_VALUE = 64.0
 
 
 def lease_tag(lease: int) -> tuple[int, int]:
@@ -75,10 +80,18 @@ class KVPool:
         idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
         self.owner_tags[idx] = torch.tensor(lease_tag(lease), dtype=torch.int64, device=self.device)
 
-    def clear(self, pages: list[int]) -> None:
-        """Mark `pages` free (tag 0)."""
+    def clear(self, pages: list[int], scrub: str = "off") -> None:
+        """Mark `pages` free (tag 0) and scrub their contents: "poison" fills them with POISON_VALUE,
+        so attention that reads a slot nobody wrote since is dominated by it and the output visibly
+        breaks; "zero" zeroes them; "off" leaves them."""
+        if scrub not in SCRUB_MODES:
+            raise ValueError(f"--kv-scrub must be one of {', '.join(SCRUB_MODES)}, got {scrub!r}")
         idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
         self.owner_tags[idx] = 0
+        if scrub == "poison":
+            self.data.index_fill_(0, idx, POISON_VALUE)
+        elif scrub == "zero":
+            self.data.index_fill_(0, idx, 0.0)
 
     def owner(self, page: int) -> int:
         hi, lo = self.owner_tags[page].tolist()

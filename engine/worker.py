@@ -14,7 +14,7 @@ import anyio.to_thread
 import msgspec
 import torch
 
-from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.kv_pool import SCRUB_MODES, KVPool
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.scheduler.messages import (
     OwnerMismatch, RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, id_from_hex, id_hex,
@@ -24,9 +24,13 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, role: str, runner: ModelRunner) -> None:
+    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison") -> None:
+        """`scrub`: what released pages are filled with (see KVPool.clear)."""
+        if scrub not in SCRUB_MODES:
+            raise ValueError(f"--kv-scrub must be one of {', '.join(SCRUB_MODES)}, got {scrub!r}")
         self.role = role
         self.runner = runner
+        self.scrub = scrub
         self.device = runner.pool.device
 
     @property
@@ -46,7 +50,7 @@ class Worker:
 
     def _run_step(self, cmd: RunStep) -> StepDone:
         if cmd.released:
-            self.pool.clear(cmd.released)
+            self.pool.clear(cmd.released, self.scrub)
         for grant in cmd.grants:
             self.pool.assign(grant.pages, id_from_hex(grant.lease))
         if not cmd.seqs:

@@ -325,6 +325,17 @@ class Scheduler:
 
     async def _transfer(self, req: Request) -> None:
         """Move the prompt's KV to the decode pool; the first token is emitted only after it landed."""
+        try:
+            await self._transfer_unguarded(req)
+        except Exception:  # a bug here must fail one request, not the server
+            log.exception("request %s: transfer task failed", req.request_id)
+            self.transferring.discard(req)
+            if req.decode_lease:  # whatever the transport did is unknown: keep the pages out
+                self.quarantined_decode_leases.add(req.decode_lease)
+                req.decode_lease = 0
+            self._end(req, RequestError(500, "kv_transfer_failed", "the KV transfer failed on the server"))
+
+    async def _transfer_unguarded(self, req: Request) -> None:
         if self.link is None:
             raise RuntimeError("a transfer needs a transfer link")
         # Tag the destination pages before any byte can land in them.

@@ -46,14 +46,31 @@ class TransferLink:
         src, dst = src_pages[:num_pages], dst_pages[:num_pages]
         manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(dst_lease), nonce=id_hex(mint_id()),
                                     num_tokens=num_tokens, num_pages=num_pages)
-        self.receiver.expect(manifest, dst)
-        with anyio.move_on_after(timeout_s) as scope:
-            pushed = await self.sender.push(self.peer, manifest, src, dst)
-            verdict = await self.receiver.completion(manifest.transfer_id)
+        try:
+            self.receiver.expect(manifest, dst)
+        except Exception as e:  # nothing is armed: no byte can land for this transfer
+            return MoveResult(False, f"the receiver refused the transfer: {e}")
+        try:
+            with anyio.move_on_after(timeout_s) as scope:
+                pushed = await self.sender.push(self.peer, manifest, src, dst)
+                verdict = await self.receiver.completion(manifest.transfer_id)
+        except Exception as e:  # a transport error is a failed transfer, never a crashed server
+            log.warning("transfer %s: transport error: %r", manifest.transfer_id, e)
+            return MoveResult(False, f"transport error: {e}", quiet=await self._cancel(manifest.transfer_id))
         if scope.cancelled_caught:
-            receiver_quiet = await self.receiver.cancel(manifest.transfer_id)
-            await self.sender.cancel(manifest.transfer_id)
-            return MoveResult(False, f"timed out after {timeout_s:g} s", quiet=receiver_quiet)
+            return MoveResult(False, f"timed out after {timeout_s:g} s", quiet=await self._cancel(manifest.transfer_id))
         if not verdict.ok or not pushed.ok:
             return MoveResult(False, verdict.reason or pushed.reason)
         return MoveResult(True, nbytes=num_pages * self.page_nbytes)
+
+    async def _cancel(self, transfer_id: str) -> bool:
+        """Cancel on both ends; True only when the receiver acknowledged that no write can land."""
+        try:
+            await self.sender.cancel(transfer_id)
+        except Exception as e:
+            log.warning("transfer %s: sender cancel failed: %r", transfer_id, e)
+        try:
+            return await self.receiver.cancel(transfer_id)
+        except Exception as e:
+            log.warning("transfer %s: receiver cancel not acknowledged: %r", transfer_id, e)
+            return False

@@ -59,7 +59,8 @@ class ServerProcess:
         raise KeyError(f"{name}{{{want}}} not in /metrics")
 
     def pages_in_use(self) -> dict[str, float]:
-        roles = ("colocated",) if "--disaggregation" in self.proc.args and "off" in self.proc.args else ("prefill", "decode")
+        colocated = "--disaggregation" in self.proc.args and "off" in self.proc.args
+        roles = ("colocated",) if colocated else ("prefill", "decode")
         return {role: self.metric("kvfence_kv_pages", role=role, state="in_use") for role in roles}
 
     def stop(self, timeout_s: float = 60) -> int:

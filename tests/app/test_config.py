@@ -47,3 +47,13 @@ def test_parse_bytes() -> None:
     assert parse_bytes("4096") == 4096
     with pytest.raises(ValueError):
         parse_bytes("-1GiB")
+
+
+def test_boolean_from_environment() -> None:
+    assert load_config({}, {"KVFENCE_CLAMP_CONTEXT": "true"}, None).clamp_context is True
+    assert load_config({}, {"KVFENCE_CLAMP_CONTEXT": "0"}, None).clamp_context is False
+    with pytest.raises(ValueError, match="KVFENCE_CLAMP_CONTEXT='maybe'"):
+        load_config({}, {"KVFENCE_CLAMP_CONTEXT": "maybe"}, None)
+    assert load_config({"kv_scrub": "zero"}, {}, None).kv_scrub == "zero"
+    with pytest.raises(ValueError, match="--kv-scrub"):
+        load_config({"kv_scrub": "shred"}, {}, None)

@@ -17,7 +17,8 @@ import pytest
 from server_process import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
-COMMON = ("--max-context", "2048", "--prefill-num-pages", "256", "--decode-num-pages", "512", "--chunk-tokens", "256")
+COMMON = ("--canary-interval", "3600", "--max-context", "2048", "--prefill-num-pages", "256",
+          "--decode-num-pages", "512", "--chunk-tokens", "256")
 
 
 @pytest.fixture(scope="module", params=["on", "off"], ids=["disaggregated", "colocated"])

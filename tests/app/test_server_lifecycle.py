@@ -21,8 +21,9 @@ def long_request(base_url: str, results: list, max_tokens: int = 48) -> None:
 
 
 def test_queue_full_then_sigterm_drains(default_model_path: Path, tmp_path: Path) -> None:
-    srv = ServerProcess(default_model_path, "--max-context", "512", "--max-running", "1", "--max-queue", "1",
-                        "--prefill-num-pages", "64", "--decode-num-pages", "64", "--shutdown-timeout", "60",
+    srv = ServerProcess(default_model_path, "--canary-interval", "3600", "--max-context", "512", "--max-running", "1",
+                        "--max-queue", "1", "--prefill-num-pages", "64", "--decode-num-pages", "64",
+                        "--shutdown-timeout", "60",
                         log_path=tmp_path / "server.log")
     try:
         srv.wait_ready()
@@ -53,3 +54,25 @@ def test_queue_full_then_sigterm_drains(default_model_path: Path, tmp_path: Path
         assert srv.proc.wait(60) == 0
     finally:
         srv.stop()
+
+
+def test_undersized_pool_refuses_to_start(default_model_path: Path, tmp_path: Path) -> None:
+    srv = ServerProcess(default_model_path, "--prefill-num-pages", "8", log_path=tmp_path / "server.log")
+    assert srv.proc.wait(60) == 2
+    log = srv.log()
+    assert "prefill KV pool holds 128 tokens" in log and "8192" in log and "--clamp-context" in log
+    srv.stop()
+
+
+def test_clamped_context_is_advertised(default_model_path: Path, tmp_path: Path) -> None:
+    srv = ServerProcess(default_model_path, "--canary-interval", "3600", "--prefill-num-pages", "32",
+                        "--decode-num-pages", "64", "--clamp-context", log_path=tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        models = httpx.get(srv.base_url + "/v1/models", timeout=10).json()
+        assert models["data"][0]["max_model_len"] == 512  # what the smaller (prefill) pool holds
+        r = httpx.post(srv.base_url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "hi " * 600, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        assert srv.stop() == 0

@@ -60,3 +60,22 @@ def test_only_the_first_bad_page_per_sequence_is_reported(tiny: Checkpoint) -> N
     r.pool.assign([0, 1, 2], B)
     violations = check_owner_tags(r.pool, [SeqWork([1] * 10, 0, [0, 1, 2], A, GREEDY)])
     assert [(v.page, v.owner) for v in violations] == [(0, B)]
+
+
+@pytest.mark.parametrize("scrub", ["off", "poison"])
+def test_stale_read_after_release_is_visible_only_when_poisoned(tiny: Checkpoint, scrub: str) -> None:
+    """The incident's mechanism: a later lease decodes from pages it never wrote. With scrubbing off it
+    silently continues the previous owner's sequence; poisoned, its output no longer matches it."""
+    r = runner(tiny)
+    r.pool.assign([0, 1], A)
+    prompt = [5, 6, 7, 8, 9, 10]
+    first = r.step([SeqWork(prompt, 0, [0, 1], A, GREEDY)]).tokens[0]
+    want = r.step([SeqWork([first], 6, [0, 1], A, GREEDY)], return_logits=True)
+    r.pool.clear([0, 1], scrub)
+    r.pool.assign([0, 1], B)  # handed to B, which never prefilled them (a placeholder "transfer")
+    stale = r.step([SeqWork([first], 6, [0, 1], B, GREEDY)], return_logits=True)
+    assert want.logits is not None and stale.logits is not None
+    if scrub == "off":
+        torch.testing.assert_close(stale.logits, want.logits)  # B reads A's KV: the leak
+    else:
+        assert (stale.logits - want.logits).abs().max() > 1.0

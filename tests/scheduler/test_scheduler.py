@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from serving_harness import start_serving
 from tiny_models import TinySpec, make_tiny_pair
 
 from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
@@ -20,16 +21,13 @@ from kvfence.engine.llama import LlamaModel
 from kvfence.engine.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
-from kvfence.engine.worker import Worker, WorkerChannel
+from kvfence.engine.worker import Worker
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import Scheduler
 from kvfence.scheduler.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
-from kvfence.scheduler.transfer import TransferLink
-from kvfence.transports.base import PairingRecord
-from kvfence.transports.registry import transport_class
 
 PAGE = 4
 CONTEXT = 96
@@ -52,11 +50,6 @@ def prompts(n: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def worker(tiny: Checkpoint, role: str, num_pages: int) -> Worker:
-    model = LlamaModel(tiny, torch.float32)
-    return Worker(role, ModelRunner(model, KVPool(model.config, num_pages, PAGE, torch.float32)))
-
-
 class Harness:
     def __init__(self, scheduler: Scheduler, workers: list[Worker]) -> None:
         self.scheduler = scheduler
@@ -65,7 +58,8 @@ class Harness:
     def assert_baseline(self) -> None:
         """Every page is back in its ledger and untagged in its pool once the next step ran."""
         assert all(n == 0 for n in self.scheduler.pages_in_use().values()), self.scheduler.pages_in_use()
-        for pool in {id(self.scheduler.prefill): self.scheduler.prefill, id(self.scheduler.decode): self.scheduler.decode}.values():
+        s = self.scheduler
+        for pool in {id(s.prefill): s.prefill, id(s.decode): s.decode}.values():
             pool.ledger.check_integrity()
 
 
@@ -83,38 +77,12 @@ async def collect(handle: RequestHandle) -> tuple[list[int], str, str | None, st
 @pytest.fixture(params=["colocated", "inprocess", "tcp"])
 async def harness(request: pytest.FixtureRequest, tiny: Checkpoint) -> AsyncIterator[Harness]:
     mode = request.param
-    pages = 64
     config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, max_running=8, max_queue=4,
                              chunk_tokens=16, disaggregated=mode != "colocated", transfer_timeout_s=10)
     async with anyio.create_task_group() as tg:
-        if mode == "colocated":
-            w = worker(tiny, "colocated", pages)
-            scheduler = Scheduler(config, tiny.tokenizer, WorkerChannel(w), None, prefill_pages=pages,
-                                  decode_pages=pages)
-            workers = [w]
-        else:
-            pw, dw = worker(tiny, "prefill", pages), worker(tiny, "decode", pages)
-            cls = transport_class(mode)
-            extra = {}
-            if mode == "inprocess":
-                from kvfence.transports.inprocess import InProcessHub
-                extra = {"hub": InProcessHub()}
-            sender, receiver = cls(**extra), cls(**extra)
-            record = PairingRecord(model="tiny", dtype="float32", page_size_tokens=PAGE,
-                                   page_nbytes=pw.pool.page_nbytes, page_layout="test", digest="xxh3_64",
-                                   max_context_tokens=CONTEXT, incarnation=id_hex(mint_id()))
-            info = await receiver.start(tg, dw.pool.data, record)
-            await sender.start(tg, pw.pool.data, record)
-            peer = await sender.pair(info)
-            link = TransferLink(sender, receiver, peer, PAGE, pw.pool.page_nbytes)
-            scheduler = Scheduler(config, tiny.tokenizer, WorkerChannel(pw), WorkerChannel(dw), prefill_pages=pages,
-                                  decode_pages=pages, link=link)
-            workers = [pw, dw]
-        await scheduler.run(tg)
-        yield Harness(scheduler, workers)
-        if mode != "colocated":
-            await sender.aclose()
-            await receiver.aclose()
+        serving = await start_serving(tg, tiny, mode, config, num_pages=64)
+        yield Harness(serving.scheduler, serving.workers)
+        await serving.aclose()
         tg.cancel_scope.cancel()
 
 
