@@ -49,6 +49,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="what freed KV pages are filled with (default poison: a stale read shows)")
     p.add_argument("--canary-interval", type=float, default=None, dest="canary_interval_s",
                    help="seconds between readiness canaries through the real serving path (default 30)")
+    p.add_argument("--queue-timeout", type=float, default=None, dest="queue_timeout_s",
+                   help="seconds a request may wait for KV pages before it gets 503 (default 60)")
     p.add_argument("--transfer-timeout", type=float, default=None, dest="transfer_timeout_s",
                    help="seconds a KV transfer may take before it fails (its pages are quarantined)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")

@@ -31,6 +31,7 @@ class ServeConfig:
     chunk_tokens: int = 512
     shutdown_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    queue_timeout_s: float = 60.0  # a request that waits this long for KV pages ends with 503
     canary_interval_s: float = 30.0  # how often the readiness canary re-checks the serving path
     kv_scrub: str = "poison"  # what freed KV pages are filled with: poison | zero | off
 
@@ -48,6 +49,9 @@ class ServeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
         if self.kv_scrub not in ("poison", "zero", "off"):
             raise ValueError(f"--kv-scrub must be poison, zero or off, got {self.kv_scrub!r}")
+        if self.queue_timeout_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError(f"--queue-timeout and --transfer-timeout must be > 0 s, got "
+                             f"{self.queue_timeout_s} and {self.transfer_timeout_s}")
         if self.canary_interval_s <= 0:
             raise ValueError(f"--canary-interval must be > 0 s, got {self.canary_interval_s}")
         if self.shutdown_timeout_s < 0:

@@ -105,7 +105,7 @@ async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) ->
             SchedulerConfig(page_size_tokens=config.page_size_tokens, max_context_tokens=context,
                             max_running=config.max_running, max_queue=config.max_queue,
                             chunk_tokens=config.chunk_tokens, disaggregated=workers.decode is not None,
-                            transfer_timeout_s=config.transfer_timeout_s),
+                            transfer_timeout_s=config.transfer_timeout_s, queue_timeout_s=config.queue_timeout_s),
             checkpoint.tokenizer, WorkerChannel(workers.prefill),
             WorkerChannel(workers.decode) if workers.decode is not None else None,
             prefill_pages=prefill_pool.num_pages, decode_pages=decode_pool.num_pages, link=link, metrics=metrics)

@@ -14,6 +14,7 @@ class SchedulerConfig:
     chunk_tokens: int = 512  # prefill tokens per step (chunked prefill budget)
     disaggregated: bool = True
     transfer_timeout_s: float = 30.0
+    queue_timeout_s: float = 60.0  # a request waiting this long for pages ends with 503
 
     def __post_init__(self) -> None:
         for name in ("page_size_tokens", "max_context_tokens", "max_running", "chunk_tokens"):
@@ -21,8 +22,9 @@ class SchedulerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.transfer_timeout_s <= 0:
-            raise ValueError(f"transfer timeout must be > 0 s, got {self.transfer_timeout_s}")
+        if self.transfer_timeout_s <= 0 or self.queue_timeout_s <= 0:
+            raise ValueError(f"timeouts must be > 0 s, got transfer {self.transfer_timeout_s}, "
+                             f"queue {self.queue_timeout_s}")
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size_tokens)

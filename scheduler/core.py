@@ -12,6 +12,7 @@ untags them in the next message it receives (before any new grant in that messag
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import anyio
@@ -264,11 +265,26 @@ class Scheduler:
     async def run(self, task_group: TaskGroup) -> None:
         """Start the worker loops in `task_group` (they run until it is cancelled)."""
         self._task_group = task_group
+        task_group.start_soon(self._expire_queued, name="queue-deadlines")
         if self.config.disaggregated:
             task_group.start_soon(self._prefill_loop, name="prefill-loop")
             task_group.start_soon(self._decode_loop, name="decode-loop")
         else:
             task_group.start_soon(self._colocated_loop, name="colocated-loop")
+
+    async def _expire_queued(self) -> None:
+        """Every waiting state has a deadline: a request queued for pages too long ends with 503."""
+        while True:
+            await anyio.sleep(min(1.0, self.config.queue_timeout_s / 4))
+            self.expire_queued(time.monotonic())
+
+    def expire_queued(self, now: float) -> None:
+        """End (503) every queued request admitted more than queue_timeout_s before `now`."""
+        for req in [r for r in self.queue if now - r.created_s > self.config.queue_timeout_s]:
+            self.queue.remove(req)
+            self.metrics.rejected("queue_timeout")
+            self._end(req, RequestError(503, "overloaded", f"waited {self.config.queue_timeout_s:g} s for KV pages; "
+                                        "retry shortly", error_type="service_unavailable", retry_after_s=1))
 
     async def _colocated_loop(self) -> None:
         while True:

@@ -6,6 +6,7 @@ outputs must equal a colocated run and the offline engine, token for token.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -202,3 +203,27 @@ async def test_foreign_page_tag_fails_only_that_request(harness: Harness, tiny: 
     assert s.metrics.integrity_violations.labels(
         "colocated" if not s.config.disaggregated else pool)._value.get() == 1
     await wait_idle(harness)
+
+
+@pytest.mark.anyio
+async def test_queued_request_ends_at_its_deadline(tiny: Checkpoint) -> None:
+    config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, max_running=1, max_queue=4,
+                             chunk_tokens=16, disaggregated=False, queue_timeout_s=30)
+    async with anyio.create_task_group() as tg:
+        serving = await start_serving(tg, tiny, "colocated", config, num_pages=64)
+        s = serving.scheduler
+        running = s.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=CONTEXT - 4, ignore_eos=True))
+        queued = s.submit([8, 9], SamplingParams(temperature=0, max_tokens=4))
+        s.expire_queued(time.monotonic() + 1)  # not yet due
+        assert s.in_flight() == 2
+        s.expire_queued(time.monotonic() + 31)  # as if 31 s passed: the queued request ends
+        with anyio.fail_after(10):
+            _, _, reason, error = await collect(queued)
+        assert reason is None and error == "overloaded"
+        running.abort()
+        await collect(running)
+        with anyio.fail_after(10):
+            while s.in_flight():
+                await anyio.sleep(0.01)
+        assert s.pages_in_use() == {"colocated": 0}
+        tg.cancel_scope.cancel()
