@@ -71,8 +71,6 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self.transferring: set[Request] = set()
-        # Decode leases whose pages a transfer may still write (cancellation not acknowledged).
-        self.quarantined_decode_leases: set[int] = set()
         self.draining = False
         self._step_id = 0
         self._prefill_work = anyio.Event()  # one wake-up event per loop, so none is missed
@@ -87,10 +85,8 @@ class Scheduler:
         pools = [("colocated", self.prefill)] if self.decode is self.prefill else \
             [("prefill", self.prefill), ("decode", self.decode)]
         for role, pool in pools:
-            quarantined = sum(len(pool.ledger.pages(lease)) for lease in self.quarantined_decode_leases) \
-                if pool is self.decode else 0
-            pool_used = pool.ledger.num_used - quarantined
-            self.metrics.pool(role, pool.ledger.num_pages, pool_used, quarantined)
+            quarantined = pool.ledger.num_quarantined
+            self.metrics.pool(role, pool.ledger.num_pages, pool.ledger.num_used - quarantined, quarantined)
         self.metrics.queue_sizes(len(self.queue), len(self.prefilling) + len(self.decoding) + len(self.transferring))
 
     def in_flight(self) -> int:
@@ -347,7 +343,7 @@ class Scheduler:
             log.exception("request %s: transfer task failed", req.request_id)
             self.transferring.discard(req)
             if req.decode_lease:  # whatever the transport did is unknown: keep the pages out
-                self.quarantined_decode_leases.add(req.decode_lease)
+                self.decode.ledger.quarantine(req.decode_lease)
                 req.decode_lease = 0
             self._end(req, RequestError(500, "kv_transfer_failed", "the KV transfer failed on the server"))
 
@@ -367,7 +363,7 @@ class Scheduler:
             self._end(req, RequestError(499, "client_closed", "the client closed the request"), aborted=True)
             return
         if not result.quiet:  # a write may still land: the destination pages stay out of the free list
-            self.quarantined_decode_leases.add(req.decode_lease)
+            self.decode.ledger.quarantine(req.decode_lease)
             req.decode_lease = 0
         if not result.ok:
             log.warning("request %s: KV transfer failed (%s)", req.request_id, result.reason)
