@@ -166,3 +166,22 @@ def test_models_health_ready(server: ServerProcess) -> None:
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 2048
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
     assert httpx.get(server.base_url + "/ready", timeout=10).status_code == 200
+
+
+def test_same_client_request_id_twice(server: ServerProcess, reference: dict) -> None:
+    """Client-supplied ids are never used internally: two requests carrying the same one are both
+    served correctly, with distinct server-minted ids."""
+    cases = [c for c in reference["cases"] if c["kind"] == "chat"][:2]
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            rs = await asyncio.gather(*(http.post("/v1/chat/completions", headers={"X-Request-Id": "same"}, json={
+                "model": MODEL, "messages": c["messages"], "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                "user": "same", "request_id": "same"}) for c in cases))
+            return [r.json() for r in rs]
+
+    out = asyncio.run(run())
+    assert out[0]["id"] != out[1]["id"]
+    for c, r in zip(cases, out):
+        assert c["text_until_eos"].startswith(r["choices"][0]["message"]["content"])
+    wait_baseline(server)
