@@ -3,7 +3,8 @@
     base            the Transport ABC and its records (fixed interface)
     registry        transport_class(name) / create_transport(name, **kw): built-ins + entry points
     digest          page digests ("xxh3_64", "none")
-    pool_view       byte views of a registered pool, page by page
+    pool_view       byte views of a registered pool, page by page; whether it is staged
+    staging         host staging of pools on other devices (CUDA): sender chunks, copies
     receiver_state  the receiver's pure state machine (expect / admit / finish / abort / cancel)
     receiver        PoolReceiver: that state machine + the pool + completion waiters
     sender_state    OutgoingPush(es): in-flight pushes and their cancellation flags

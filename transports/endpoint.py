@@ -1,12 +1,17 @@
 """What the built-in transports share: pool registration, the receiver half (expect, completion,
-cancel) and the checks on pairing and push arguments."""
+cancel) and the checks on pairing and push arguments.
+
+Both built-ins take the pool on any device: one that is not on the CPU (a CUDA pool) is staged
+through host memory (staging.py). Their constructors pass `stage_through_host` (None: stage iff the
+pool is not on the CPU; True also stages a CPU pool, to test that path) and `stage_chunk_bytes`
+(how much of a push the sender stages at once) to `PoolView`."""
 
 from __future__ import annotations
 
 import torch
 
 from kvfence.transports.base import EndpointInfo, PairingRecord, TransferManifest, TransferResult, Transport
-from kvfence.transports.pool_view import PoolView
+from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES, PoolView
 from kvfence.transports.receiver import PoolReceiver
 from kvfence.transports.sender_state import OutgoingPushes
 
@@ -22,7 +27,10 @@ class PoolEndpoint(Transport):
     """Base of the built-in transports. Subclasses implement start/pair/push/health/aclose and
     call `_register` from `start`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, stage_through_host: bool | None = None,
+                 stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
+        self.stage_through_host = stage_through_host
+        self.stage_chunk_bytes = stage_chunk_bytes
         self._pool: PoolView | None = None
         self._receiver: PoolReceiver | None = None
         self._outgoing = OutgoingPushes()
@@ -41,7 +49,8 @@ class PoolEndpoint(Transport):
             raise RuntimeError(f"{self.name} transport is closed")
         if self._pool is not None:
             raise RuntimeError(f"{self.name} transport already started")
-        pool = PoolView(memory, record)
+        pool = PoolView(memory, record, stage_through_host=self.stage_through_host,
+                        stage_chunk_bytes=self.stage_chunk_bytes)
         self._pool, self._receiver = pool, PoolReceiver(pool)
         return pool
 

@@ -7,6 +7,10 @@ written, and it succeeds only when the digests recomputed over the landed pages 
 (the manifest's, or when it has none, the ones computed over the copied source bytes).
 The pushing task yields to the event loop every `yield_every_bytes`, so `cancel` (checked before
 every page read) and other tasks interleave with large pushes.
+
+Pools on other devices are staged through host memory at both ends (staging.py): the sender
+copies its source pages to a host buffer a chunk at a time, the receiver lands them in a host
+buffer of the transfer and copies them into its pool only once they verified.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused
                                      TransferResult)
 from kvfence.transports.digest import page_digest
 from kvfence.transports.endpoint import PoolEndpoint, pairing_problem
+from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
+from kvfence.transports.staging import SourcePages
 
 
 class InProcessHub:
@@ -54,8 +60,10 @@ class InProcessPeer(Peer):
 class InProcessTransport(PoolEndpoint):
     name: ClassVar[str] = "inprocess"
 
-    def __init__(self, hub: InProcessHub, *, yield_every_bytes: int = 4 << 20) -> None:
-        super().__init__()
+    def __init__(self, hub: InProcessHub, *, yield_every_bytes: int = 4 << 20,
+                 stage_through_host: bool | None = None,
+                 stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
+        super().__init__(stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
         self.hub = hub
         self.yield_every_bytes = yield_every_bytes
         self._paired: set[str] = set()  # incarnations of the senders this endpoint accepted
@@ -114,14 +122,16 @@ class InProcessTransport(PoolEndpoint):
         out = self._outgoing.add(tid)
         adm = rx.admit(manifest, list(dst_pages), pool.page_nbytes)
         try:
+            source = SourcePages(pool, src_pages)
             digests: list[str] = []
             since_yield = 0
-            for index, src in enumerate(src_pages):
+            for index in range(len(src_pages)):
                 if out.cancelled or self._closed or not self._reachable(remote):
                     break
-                digests.append(page_digest(pool.page(src), pool.digest))
-                if (dst := rx.target_page(adm, index)) is not None:
-                    rx.pool.page_tensor(dst).copy_(pool.page_tensor(src))
+                page = source.page_tensor(index)  # a staged pool's only read: right after the check
+                digests.append(page_digest(source.page(index), pool.digest))
+                if (dst := rx.target_tensor(adm, index)) is not None:
+                    dst.copy_(page)
                 since_yield += pool.page_nbytes
                 if since_yield >= self.yield_every_bytes:
                     since_yield = 0

@@ -58,6 +58,10 @@ class ReceiverState:
     def pending_ids(self) -> list[str]:
         return [*self._expected, *self._receiving]
 
+    def receiving(self, transfer_id: str) -> bool:
+        """Admitted and not finished: its push is landing."""
+        return transfer_id in self._receiving
+
     def writable(self, adm: Admission) -> bool:
         return adm.live
 
@@ -123,17 +127,24 @@ class ReceiverState:
         that carried digests must agree too."""
         if not adm.live:
             return self._verdict_for_dead(adm)
+        reason = self.judge(adm, pages_received, sent_digests, landed_digests)
+        return self._close(adm, TransferResult(adm.transfer_id, not reason, reason))
+
+    def judge(self, adm: Admission, pages_received: int, sent_digests: list[str],
+              landed_digests: list[str]) -> str:
+        """Why `finish` with these arguments would fail a live admission ("": it would succeed);
+        no transition. Lets a staged receiver copy into the pool only what `finish` will accept."""
+        if not adm.live:
+            raise ValueError(f"transfer {adm.transfer_id}: judging an admission that is not live")
         _, want = self._receiving[adm.transfer_id]
         reference = list(adm.digests) or list(sent_digests)
         if pages_received != adm.num_pages:
-            reason = "short_transfer"
-        elif len(reference) != adm.num_pages or len(landed_digests) != adm.num_pages:
-            reason = "manifest_mismatch"
-        elif landed_digests != reference or (want.digests and list(want.digests) != reference):
-            reason = "digest_mismatch"
-        else:
-            reason = ""
-        return self._close(adm, TransferResult(adm.transfer_id, not reason, reason))
+            return "short_transfer"
+        if len(reference) != adm.num_pages or len(landed_digests) != adm.num_pages:
+            return "manifest_mismatch"
+        if landed_digests != reference or (want.digests and list(want.digests) != reference):
+            return "digest_mismatch"
+        return ""
 
     def abort(self, adm: Admission, reason: str) -> TransferResult:
         """The push ended without all its bytes (sender cancelled, peer lost, ...)."""

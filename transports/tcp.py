@@ -10,6 +10,8 @@ Digests: a push whose manifest carries digests is verified against those; one wh
 none (`digests=[]`) is verified against the digests the sender computes, per page, over exactly
 the bytes it sent (with the paired algorithm).
 
+A pool that is not on the CPU is staged through host memory (staging.py; `stage_through_host`).
+
 A lost connection is not re-established: its pushes fail with "peer_lost", later pushes to that
 peer return "peer_lost" at once, and `health()` stays False until the peer is paired again.
 """
@@ -26,6 +28,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
 from kvfence.transports.endpoint import PoolEndpoint, pairing_problem
+from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
 from kvfence.transports.tcp_io import Channel, accept, connect, listen
 from kvfence.transports.tcp_receive import serve_connection
 from kvfence.transports.tcp_send import SenderConnection
@@ -50,8 +53,10 @@ def split_address(address: str) -> tuple[str, int]:
 class TcpTransport(PoolEndpoint):
     name: ClassVar[str] = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout: float = 10.0) -> None:
-        super().__init__()
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout: float = 10.0,
+                 stage_through_host: bool | None = None,
+                 stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
+        super().__init__(stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
         self.host, self.port = host, port
         self.handshake_timeout = handshake_timeout
         self._listener: socket.socket | None = None

@@ -5,10 +5,12 @@ send lock (so one push's bytes are contiguous on the wire), then releases the lo
 its verdict, which the connection's reader task (`run`, in the transport's task group) routes by
 transfer id. Several pushes can thus await verdicts at once while the next one streams.
 
-Page bytes are sent from the pool without a copy; the digest is computed over each chunk the
-kernel accepted, i.e. over exactly the bytes sent. Stopping (transport `cancel`) is checked before
-every read of a source page; a stopped or interrupted push pads the current page with zeros and
-sends PushAbort, keeping the stream in sync. If even that fails within `abort_timeout`, the
+Page bytes are sent from the pool without a copy (a staged pool: from the host buffer its pages
+are copied into, a chunk at a time, while the push holds the send lock; see staging.py); the
+digest is computed over each chunk the kernel accepted, i.e. over exactly the bytes sent. Stopping
+(transport `cancel`) is checked before every read of a source page; a stopped or interrupted push
+pads the current page with zeros and sends PushAbort (so does one whose staging copy failed, then
+between two pages), keeping the stream in sync. If even that fails within `abort_timeout`, the
 connection is dropped and every push on it fails with "peer_lost".
 """
 
@@ -20,6 +22,7 @@ from kvfence.transports.base import EndpointInfo, TransferManifest, TransferResu
 from kvfence.transports.digest import new_hasher
 from kvfence.transports.pool_view import PoolView
 from kvfence.transports.sender_state import OutgoingPush
+from kvfence.transports.staging import SourcePages
 from kvfence.transports.tcp_io import Channel, ConnectionGone
 from kvfence.transports.tcp_wire import Cancel, Page, ProtocolError, PushAbort, PushEnd, PushHeader, Verdict
 
@@ -85,15 +88,22 @@ class SenderConnection:
                 if out.cancelled:  # nothing sent yet: tell the receiver to drop the expectation
                     await ch.send_frame(Cancel(tid))
                     return
+                source = SourcePages(pool, src_pages)  # a staged pool's buffer: before anything is sent
                 streaming = True
                 await ch.send_frame(PushHeader(manifest, list(dst_pages), pool.page_nbytes))
                 digests = []
-                for index, page in enumerate(src_pages):
+                for index in range(len(src_pages)):
                     if out.cancelled:
                         break
+                    try:
+                        page = source.page(index)  # a staged pool's only read: right after the check
+                    except Exception:  # the staging copy failed, between two pages: end the push
+                        streaming = False
+                        await ch.send_frame(PushAbort(tid, "staging_failed"))
+                        raise
                     await ch.send_frame(Page(index))
                     hasher = new_hasher(pool.digest)
-                    if not await ch.send_page(pool.page(page), hasher, lambda: out.cancelled):
+                    if not await ch.send_page(page, hasher, lambda: out.cancelled):
                         break
                     digests.append(hasher.hexdigest())
                 else:

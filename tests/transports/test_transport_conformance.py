@@ -23,7 +23,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 async def test_pairing_works(kind: str) -> None:
     async with paired(kind) as p:
         assert p.peer is not None and p.peer.info == p.rx_info
-        assert p.rx_info.transport == p.tx_info.transport == kind
+        assert p.rx_info.transport == p.tx_info.transport == p.kind
         assert await p.tx.health() and await p.rx.health()
         back = await p.rx.pair(p.tx_info)  # pairing is per direction; the other one works too
         assert back.info == p.tx_info
@@ -43,19 +43,19 @@ async def test_incompatible_record_is_refused_on_both_sides(kind: str, field: st
         with pytest.raises(PairingRefused, match=field):
             await p.rx.pair(p.tx_info)
         # a peer claiming compatibility is still refused by the real endpoint behind the address
-        claimed = EndpointInfo(kind, p.rx_info.address, p.tx_info.record)
+        claimed = EndpointInfo(p.kind, p.rx_info.address, p.tx_info.record)
         with pytest.raises(PairingRefused, match=field):
             await p.tx.pair(claimed)
 
 
 async def test_transport_name_and_incarnation_mismatch_refuse(kind: str) -> None:
     async with paired(kind, pair=False) as p:
-        other = "inprocess" if kind == "tcp" else "tcp"
+        other = "inprocess" if p.kind == "tcp" else "tcp"
         with pytest.raises(PairingRefused, match="transport"):
             await p.tx.pair(EndpointInfo(other, p.rx_info.address, p.rx_info.record))
         stale = make_record(incarnation="an-earlier-start")
         with pytest.raises(PairingRefused, match="incarnation"):
-            await p.tx.pair(EndpointInfo(kind, p.rx_info.address, stale))
+            await p.tx.pair(EndpointInfo(p.kind, p.rx_info.address, stale))
 
 
 @pytest.mark.parametrize("num_pages", [1, 2, 32])

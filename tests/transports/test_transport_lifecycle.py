@@ -1,8 +1,9 @@
 """Built-in transports under concurrency, cancellation, peer loss and shutdown.
 
 Mid-transfer tests use 32 pages of 1 MiB and act as soon as the first destination page shows
-bytes, which both transports reach long before the last page (the in-process push yields every
-4 MiB; TCP stalls on the socket buffer)."""
+bytes (staged kinds: as soon as the receiver admitted the push, since their bytes reach the pool
+only after verification), which both transports reach long before the last page (the in-process
+push yields every 4 MiB; TCP stalls on the socket buffer)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ async def push_in_background(p: Pair, tg: anyio.abc.TaskGroup, manifest: Transfe
             results["push"] = await p.tx.push(p.peer, manifest, pages, pages)
 
     tg.start_soon(run)
-    await wait_until(lambda: bool(page_bytes(p.dst, 0).any()))
+    await wait_until(lambda: p.receiving(manifest))
 
 
 async def test_concurrent_pushes_all_land(kind: str) -> None:
@@ -167,7 +168,7 @@ async def test_aclose_releases_sockets_and_tasks(kind: str) -> None:
         assert not await p.tx.health() and not await p.rx.health()
         with pytest.raises(RuntimeError):
             p.rx.expect(make_manifest(1), [2])
-        if kind == "tcp":
+        if p.kind == "tcp":
             with socket.socket() as s, pytest.raises(ConnectionRefusedError):
                 s.settimeout(2)
                 s.connect(split_address(p.rx_info.address))

@@ -1,8 +1,14 @@
 """Shared helpers for the transport tests: records, manifests, and a started, paired sender and
-receiver of one kind ("tcp" or "inprocess") over real torch pools.
+receiver of one kind over real torch pools.
+
+Kinds: "tcp" and "inprocess", and "tcp+staged" / "inprocess+staged": the same transports with both
+pools staged through host memory (`stage_through_host=True`, as a CUDA pool is), the sender staging
+`STAGE_CHUNK_PAGES` pages at a time, so every test of a kind also covers the staged path on a CPU.
+`Pair.kind` is the transport's name, `Pair.staged` the mode.
 
 Pools: `num_pages` pages of `page_floats` float32 (default 32 x 4 KiB); random on the sender,
-zeros on the receiver. Both endpoints are closed when the context exits.
+zeros on the receiver; on the CPU unless `devices` names others (e.g. CUDA, which transports stage
+through host memory on their own). Both endpoints are closed when the context exits.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from kvfence.transports.digest import page_digest
 from kvfence.transports.inprocess import InProcessHub
 from kvfence.transports.registry import create_transport
 
-KINDS = ["tcp", "inprocess"]
+KINDS = ["tcp", "inprocess", "tcp+staged", "inprocess+staged"]
+STAGE_CHUNK_PAGES = 3  # not a divisor of the default 32 pages: the last chunk is partial
 
 
 def make_record(page_nbytes: int = 4096, **changes: object) -> PairingRecord:
@@ -40,8 +47,20 @@ def make_manifest(num_pages: int, **changes: object) -> TransferManifest:
     return TransferManifest(**fields)  # type: ignore[arg-type]
 
 
-def make_transport(kind: str, hub: InProcessHub) -> Transport:
-    return create_transport(kind, hub=hub) if kind == "inprocess" else create_transport(kind)
+def split_kind(kind: str) -> tuple[str, bool]:
+    """"tcp+staged" -> ("tcp", True); "tcp" -> ("tcp", False)."""
+    name, _, mode = kind.partition("+")
+    if mode not in ("", "staged"):
+        raise ValueError(f"unknown transport test kind {kind!r}")
+    return name, mode == "staged"
+
+
+def make_transport(kind: str, hub: InProcessHub, page_nbytes: int = 4096) -> Transport:
+    name, staged = split_kind(kind)
+    options: dict[str, object] = {"hub": hub} if name == "inprocess" else {}
+    if staged:
+        options.update(stage_through_host=True, stage_chunk_bytes=STAGE_CHUNK_PAGES * page_nbytes)
+    return create_transport(name, **options)
 
 
 def page_bytes(pool: torch.Tensor, page: int) -> torch.Tensor:
@@ -49,12 +68,13 @@ def page_bytes(pool: torch.Tensor, page: int) -> torch.Tensor:
 
 
 def digests_of(pool: torch.Tensor, pages: list[int]) -> list[str]:
-    return [page_digest(page_bytes(pool, p).numpy().tobytes(), "xxh3_64") for p in pages]
+    return [page_digest(page_bytes(pool, p).cpu().numpy().tobytes(), "xxh3_64") for p in pages]
 
 
 @dataclass
 class Pair:
-    kind: str
+    kind: str  # the transport's name
+    staged: bool
     hub: InProcessHub
     tx: Transport
     rx: Transport
@@ -67,13 +87,22 @@ class Pair:
     def assert_landed(self, src_pages: list[int], dst_pages: list[int]) -> None:
         """Each dst page holds its src page's bytes; every other dst page is still zero."""
         for s, d in zip(src_pages, dst_pages, strict=True):
-            assert torch.equal(page_bytes(self.dst, d), page_bytes(self.src, s)), f"dst page {d} != src page {s}"
+            landed, sent = page_bytes(self.dst, d).cpu(), page_bytes(self.src, s).cpu()  # pools may be on devices
+            assert torch.equal(landed, sent), f"dst page {d} != src page {s}"
         self.assert_untouched(exclude=dst_pages)
 
     def assert_untouched(self, exclude: list[int] = ()) -> None:  # type: ignore[assignment]
         others = [p for p in range(self.dst.shape[0]) if p not in set(exclude)]
         changed = [p for p in others if page_bytes(self.dst, p).any()]
         assert not changed, f"dst pages {changed} were written"
+
+    def receiving(self, manifest: TransferManifest) -> bool:
+        """The push of `manifest` is under way at the receiver: its first page shows in the pool,
+        or, staged (where bytes reach the pool only once the whole transfer verified), the
+        receiver admitted it."""
+        if self.staged:
+            return self.rx._receiver.state.receiving(manifest.transfer_id)  # type: ignore[attr-defined]
+        return bool(page_bytes(self.dst, 0).any())
 
     async def expect_and_push(self, src_pages: list[int], dst_pages: list[int], **changes: object):
         manifest = make_manifest(len(src_pages), **changes)
@@ -84,18 +113,21 @@ class Pair:
 
 @asynccontextmanager
 async def paired(kind: str, *, num_pages: int = 32, page_floats: int = 1024, pair: bool = True,
-                 rx_record: PairingRecord | None = None, dst: torch.Tensor | None = None) -> AsyncIterator[Pair]:
+                 rx_record: PairingRecord | None = None, dst: torch.Tensor | None = None,
+                 devices: tuple[str, str] = ("cpu", "cpu")) -> AsyncIterator[Pair]:
     hub = InProcessHub()
+    name, staged = split_kind(kind)
     src = torch.randn(num_pages, page_floats, generator=torch.Generator().manual_seed(num_pages))
     dst = torch.zeros_like(src) if dst is None else dst
+    src, dst = src.to(devices[0]), dst.to(devices[1])
     with anyio.fail_after(30):  # a hang is a failure, not a stuck test run
         async with anyio.create_task_group() as tg:
-            tx, rx = make_transport(kind, hub), make_transport(kind, hub)
+            tx, rx = make_transport(kind, hub, page_floats * 4), make_transport(kind, hub, page_floats * 4)
             try:
                 rx_info = await rx.start(tg, dst, rx_record or make_record(page_floats * 4))
                 tx_info = await tx.start(tg, src, make_record(page_floats * 4))
                 peer = await tx.pair(rx_info) if pair else None
-                yield Pair(kind, hub, tx, rx, src, dst, tx_info, rx_info, peer)
+                yield Pair(name, staged, hub, tx, rx, src, dst, tx_info, rx_info, peer)
             finally:
                 await tx.aclose()
                 await rx.aclose()
