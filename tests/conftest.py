@@ -34,3 +34,17 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(default_model_path: Path) -> Checkpoint:
     return load_checkpoint(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """A small random Llama (tests/tiny_models.py), loaded from its GGUF: fast, real weights."""
+    from tiny_models import TinySpec, make_tiny_pair
+
+    gguf_path, _, _ = make_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=3, spec=TinySpec())
+    return load_checkpoint(gguf_path)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

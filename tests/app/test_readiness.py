@@ -6,22 +6,10 @@ from __future__ import annotations
 import anyio
 import pytest
 from serving_harness import start_serving
-from tiny_models import TinySpec, make_tiny_pair
 
 from kvfence.app.readiness import ReadinessCanary
-from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
+from kvfence.engine.checkpoint import Checkpoint
 from kvfence.scheduler.config import SchedulerConfig
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
-    gguf_path, _, _ = make_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=11, spec=TinySpec())
-    return load_checkpoint(gguf_path)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.mark.anyio

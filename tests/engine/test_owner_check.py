@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TinySpec, make_tiny_pair
 
-from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
+from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.owner_check import check_owner_tags
@@ -15,12 +14,6 @@ from kvfence.engine.sampling import SamplingParams
 
 A, B = (7 << 100) | 1, (9 << 90) | 5  # two 128-bit leases
 GREEDY = SamplingParams(temperature=0)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
-    gguf_path, _, _ = make_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=5, spec=TinySpec())
-    return load_checkpoint(gguf_path)
 
 
 def runner(tiny: Checkpoint) -> ModelRunner:

@@ -14,9 +14,8 @@ import anyio
 import pytest
 import torch
 from serving_harness import start_serving
-from tiny_models import TinySpec, make_tiny_pair
 
-from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
+from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.offline import OfflineEngine
@@ -32,17 +31,6 @@ from kvfence.scheduler.messages import id_hex
 
 PAGE = 4
 CONTEXT = 96
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
-    gguf_path, _, _ = make_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=3, spec=TinySpec())
-    return load_checkpoint(gguf_path)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def prompts(n: int) -> list[list[int]]:
