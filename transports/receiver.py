@@ -21,6 +21,8 @@ failed transfer's bytes in its dst pages.) The buffer is dropped when the transf
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 import torch
 
@@ -29,6 +31,8 @@ from kvfence.transports.digest import page_digest
 from kvfence.transports.pool_view import PoolView
 from kvfence.transports.receiver_state import Admission, ReceiverState
 from kvfence.transports.staging import copy_pages, host_pages, host_view
+
+log = logging.getLogger(__name__)
 
 
 class PoolReceiver:
@@ -81,19 +85,23 @@ class PoolReceiver:
                 landed = [self.pool.digest_of(p) for p in adm.dst_pages]
             else:
                 landed = [page_digest(host_view(page), self.pool.digest) for page in staging]
-                if not self.state.judge(adm, pages_received, sent_digests, landed):
-                    self._commit(adm, staging)
+                if not self.state.judge(adm, pages_received, sent_digests, landed) and not self._commit(adm, staging):
+                    return self.abort(adm, "staging_failed")
         result = self.state.finish(adm, pages_received, sent_digests, landed)
         self._wake(adm.transfer_id)
         return result
 
-    def _commit(self, adm: Admission, staging: torch.Tensor) -> None:
-        """Copy a verified transfer's staged pages into its dst pages (synchronous)."""
+    def _commit(self, adm: Admission, staging: torch.Tensor) -> bool:
+        """Copy a verified transfer's staged pages into its dst pages (synchronous). False when the
+        copy failed (e.g. a device error): the transfer then fails, its dst pages may be partly
+        written and are released by the server only as a failed transfer's pages; the transport
+        and the server carry on."""
         try:
             copy_pages(self.pool.pages, adm.dst_pages, staging, range(adm.num_pages))
-        except BaseException:
-            self.abort(adm, "staging_failed")  # its dst pages may be partly written: it fails
-            raise
+        except Exception:
+            log.exception("transfer %s: copying the verified pages into the pool failed", adm.transfer_id)
+            return False
+        return True
 
     def abort(self, adm: Admission, reason: str) -> TransferResult:
         self._staging.pop(adm, None)
