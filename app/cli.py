@@ -47,6 +47,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--kv-scrub", default=None, choices=["poison", "zero", "off"],
                    help="what freed KV pages are filled with (default poison: a stale read shows)")
+    p.add_argument("--fault-inject", default=None,
+                   help="testing only: inject transfer faults, e.g. 'corrupt#3,delay=0.2@0.1' (also KVFENCE_FAULTS)")
     p.add_argument("--canary-interval", type=float, default=None, dest="canary_interval_s",
                    help="seconds between readiness canaries through the real serving path (default 30)")
     p.add_argument("--queue-timeout", type=float, default=None, dest="queue_timeout_s",

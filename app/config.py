@@ -34,6 +34,7 @@ class ServeConfig:
     queue_timeout_s: float = 60.0  # a request that waits this long for KV pages ends with 503
     canary_interval_s: float = 30.0  # how often the readiness canary re-checks the serving path
     kv_scrub: str = "poison"  # what freed KV pages are filled with: poison | zero | off
+    fault_inject: str = ""  # testing only: a transports.faults.FaultPlan spec for the sending side
 
     def __post_init__(self) -> None:
         if self.disaggregation not in ("on", "off"):
@@ -47,6 +48,10 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if self.fault_inject:
+            from kvfence.transports.faults import FaultPlan
+
+            FaultPlan.parse(self.fault_inject)  # raises ValueError naming the problem
         if self.kv_scrub not in ("poison", "zero", "off"):
             raise ValueError(f"--kv-scrub must be poison, zero or off, got {self.kv_scrub!r}")
         if self.queue_timeout_s <= 0 or self.transfer_timeout_s <= 0:
@@ -121,5 +126,7 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str], config_fil
                 values[name] = _coerce(name, env)
             except ValueError:
                 raise ValueError(f"KVFENCE_{name.upper()}={env!r} is not a valid value") from None
+    if "KVFENCE_FAULTS" in environ and "KVFENCE_FAULT_INJECT" not in environ:  # the short name
+        values["fault_inject"] = environ["KVFENCE_FAULTS"]
     values.update({k: v for k, v in flags.items() if k in _FIELDS and v is not None})
     return ServeConfig(**values)

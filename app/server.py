@@ -32,6 +32,7 @@ from kvfence.scheduler.messages import id_hex
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRecord
+from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
 from kvfence.transports.registry import transport_class
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) ->
                 incarnation=id_hex(mint_id()))
             sender, receiver = transport_cls(), transport_cls()
             transports = [sender, receiver]
+            if config.fault_inject:
+                log.warning("FAULT INJECTION is on for KV transfers: %s", config.fault_inject)
+                sender = FaultInjectingTransport(sender, FaultPlan.parse(config.fault_inject))
             receiver_info = await receiver.start(tg, decode_pool.data, record)
             await sender.start(tg, prefill_pool.data, record)
             peer = await sender.pair(receiver_info)

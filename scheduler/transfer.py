@@ -53,6 +53,8 @@ class TransferLink:
         try:
             with anyio.move_on_after(timeout_s) as scope:
                 pushed = await self.sender.push(self.peer, manifest, src, dst)
+                if not pushed.ok:  # the sender gave up: tell the receiver now, not at the timeout
+                    return MoveResult(False, pushed.reason, quiet=await self._cancel(manifest.transfer_id))
                 verdict = await self.receiver.completion(manifest.transfer_id)
         except Exception as e:  # a transport error is a failed transfer, never a crashed server
             log.warning("transfer %s: transport error: %r", manifest.transfer_id, e)

@@ -18,6 +18,7 @@ from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRecord, Transport
+from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
 from kvfence.transports.registry import transport_class
 
 
@@ -38,8 +39,9 @@ class Serving:
 
 
 async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config: SchedulerConfig,
-                        num_pages: int) -> Serving:
-    """mode: "colocated", or a transport name ("tcp", "inprocess") for a disaggregated pair."""
+                        num_pages: int, faults: str = "") -> Serving:
+    """mode: "colocated", or a transport name ("tcp", "inprocess") for a disaggregated pair;
+    `faults`: a FaultPlan spec applied to the sending (prefill) side."""
     page = config.page_size_tokens
     if mode == "colocated":
         w = make_worker(checkpoint, "colocated", num_pages, page)
@@ -54,6 +56,8 @@ async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config
         kwargs = {"hub": InProcessHub()}
     cls = transport_class(mode)
     sender, receiver = cls(**kwargs), cls(**kwargs)
+    if faults:
+        sender = FaultInjectingTransport(sender, FaultPlan.parse(faults))
     record = PairingRecord(model="tiny", dtype="float32", page_size_tokens=page, page_nbytes=pw.pool.page_nbytes,
                            page_layout="test", digest="xxh3_64", max_context_tokens=config.max_context_tokens,
                            incarnation=id_hex(mint_id()))

@@ -57,3 +57,10 @@ def test_boolean_from_environment() -> None:
     assert load_config({"kv_scrub": "zero"}, {}, None).kv_scrub == "zero"
     with pytest.raises(ValueError, match="--kv-scrub"):
         load_config({"kv_scrub": "shred"}, {}, None)
+
+
+def test_fault_injection_setting() -> None:
+    assert load_config({}, {"KVFENCE_FAULTS": "corrupt#2"}, None).fault_inject == "corrupt#2"
+    assert load_config({}, {}, None).fault_inject == ""  # off unless configured
+    with pytest.raises(ValueError, match="unknown fault"):
+        load_config({"fault_inject": "explode"}, {}, None)

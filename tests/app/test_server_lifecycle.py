@@ -76,3 +76,23 @@ def test_clamped_context_is_advertised(default_model_path: Path, tmp_path: Path)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     finally:
         assert srv.stop() == 0
+
+
+def test_corrupted_transfer_is_a_5xx_never_a_200(default_model_path: Path, tmp_path: Path) -> None:
+    """One byte flipped in transit (the readiness canary is push 1, this request push 2): the client
+    gets 502 kv_transfer_failed with no content; the next request is served; pages return."""
+    srv = ServerProcess(default_model_path, "--canary-interval", "3600", "--max-context", "512",
+                        "--prefill-num-pages", "64", "--decode-num-pages", "64", "--fault-inject", "corrupt#2",
+                        log_path=tmp_path / "server.log")
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    try:
+        srv.wait_ready()
+        bad = httpx.post(srv.base_url + "/v1/completions", timeout=60, json=body)
+        assert bad.status_code == 502, bad.text
+        assert bad.json()["error"]["code"] == "kv_transfer_failed" and "choices" not in bad.json()
+        good = httpx.post(srv.base_url + "/v1/completions", timeout=60, json=body)
+        assert good.status_code == 200 and good.json()["choices"][0]["text"].startswith(" Paris")
+        assert srv.metric("kvfence_kv_transfers_total", result="failed") == 1
+        assert srv.pages_in_use() == {"prefill": 0, "decode": 0}
+    finally:
+        assert srv.stop() == 0
