@@ -1,0 +1,93 @@
+"""Tenant isolation with the real model: tenant A's prompts carry unique canary strings; tenant B
+sends over-long and near-limit prompts and cancels mid-stream and mid-transfer, while transfer
+faults are injected. No output of B ever contains an A canary; every A output is its solo output
+(or, if a fault hit A's own transfer, an error with no content beyond a prefix of it); both pools
+return to their baseline."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+from serving_harness import start_serving
+
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.sampling import SamplingParams
+from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.errors import AdmissionRejected
+from kvfence.scheduler.handle import RequestHandle
+
+CONTEXT = 512
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def chat(tok, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+async def run(handle: RequestHandle, abort_after: int | None = None) -> tuple[str, str | None, str | None]:
+    text, n = "", 0
+    async for d in handle.deltas():
+        text += d.text
+        n += len(d.token_ids)
+        if abort_after is not None and n >= abort_after:
+            handle.abort()
+        if d.finish_reason or d.error:
+            return text, d.finish_reason, d.error.code if d.error else None
+    return text, None, None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("faults", ["", "corrupt#4", "drop#3,delay=0.05#2"])
+async def test_b_never_sees_a_canary(smollm2: Checkpoint, faults: str) -> None:
+    tok = smollm2.tokenizer
+    rng = random.Random(7)  # fixed canaries: the test is deterministic
+    canaries = [f"KVF{rng.getrandbits(32):08X}" for _ in range(3)]
+    a_prompts = [tok.encode(f"Code: {c}. Code: {c}. Code: {c}. Code:") for c in canaries]
+    config = SchedulerConfig(page_size_tokens=16, max_context_tokens=CONTEXT, max_running=8, max_queue=16,
+                             chunk_tokens=128, disaggregated=True, transfer_timeout_s=2)
+    async with anyio.create_task_group() as tg:
+        solo_serving = await start_serving(tg, smollm2, "tcp", config, num_pages=160)
+        solo = [await run(solo_serving.scheduler.submit(p, GREEDY)) for p in a_prompts]
+        assert all(reason == "length" for _, reason, _ in solo)
+        assert all(c in text for c, (text, _, _) in zip(canaries, solo))  # the model echoes them
+        await solo_serving.aclose()
+
+        serving = await start_serving(tg, smollm2, "tcp", config, num_pages=160, faults=faults)
+        s = serving.scheduler
+        with pytest.raises(AdmissionRejected):  # over-long: refused before anything exists
+            s.submit(chat(tok, "tell me " * 400), GREEDY)
+        near = chat(tok, "Summarize: " + "the cat sat on the mat. " * 60)[: CONTEXT - 30]
+        results: dict[str, tuple[str, str | None, str | None]] = {}
+
+        async def a(i: int) -> None:
+            results[f"a{i}"] = await run(s.submit(a_prompts[i], GREEDY))
+
+        async def b(name: str, prompt: list[int], abort_after: int | None) -> None:
+            results[name] = await run(s.submit(prompt, GREEDY), abort_after)
+
+        async with anyio.create_task_group() as load:
+            for i in range(3):
+                load.start_soon(a, i)
+            load.start_soon(b, "b_near", near, None)
+            load.start_soon(b, "b_mid_stream", chat(tok, "What was the code?"), 3)
+            load.start_soon(b, "b_mid_transfer", chat(tok, "Repeat the previous code."), 0)
+            load.start_soon(b, "b_plain", chat(tok, "Say a secret code."), None)
+
+        for name, (text, reason, error) in results.items():
+            if name.startswith("b"):
+                assert not any(c[3:7] in text for c in canaries), (name, text)
+                assert reason in ("length", "stop", None)
+        for i, (want, _, _) in enumerate(solo):
+            text, reason, error = results[f"a{i}"]
+            if error is None:
+                assert (text, reason) == (want, "length")
+            else:
+                assert error in ("kv_transfer_failed",) and want.startswith(text)
+        with anyio.fail_after(10):
+            while s.in_flight():
+                await anyio.sleep(0.01)
+        assert all(n == 0 for n in s.pages_in_use().values()), s.pages_in_use()
+        await serving.aclose()
+        tg.cancel_scope.cancel()
