@@ -113,6 +113,18 @@ class Scheduler:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the completion).",
                 param="max_tokens" if len(prompt) < limit else "messages")
+        # Invariant 1 also holds when a pool is smaller than the context (a sizing guard that was
+        # bypassed or misconfigured): a request that can never fit is refused now, never queued.
+        prompt_room = self.prefill.ledger.num_pages * self.config.page_size_tokens
+        total_room = self.decode.ledger.num_pages * self.config.page_size_tokens
+        if len(prompt) > prompt_room or len(prompt) + max_tokens > total_room:
+            self.metrics.rejected("pool_capacity")
+            colocated = self.decode is self.prefill
+            too_long_prompt = len(prompt) >= total_room if colocated else len(prompt) > prompt_room
+            raise context_length_exceeded(
+                f"This request needs {len(prompt)} prompt tokens and {len(prompt) + max_tokens} tokens in all, "
+                f"but the KV pools hold {prompt_room} (prefill) and {total_room} (decode) tokens.",
+                param="messages" if too_long_prompt else "max_tokens")
         if self.draining:
             self.metrics.rejected("draining")
             raise overloaded("the server is shutting down; retry on another replica", retry_after_s=5)

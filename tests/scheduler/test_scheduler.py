@@ -215,3 +215,30 @@ async def test_queued_request_ends_at_its_deadline(tiny: Checkpoint) -> None:
                 await anyio.sleep(0.01)
         assert s.pages_in_use() == {"colocated": 0}
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_the_incident_prompt_over_the_prefill_pool_is_refused_at_admission(tiny: Checkpoint) -> None:
+    """The 2026 incident, with the sizing guard bypassed (the scheduler is built directly on an
+    undersized prefill pool): a prompt within the context but longer than the prefill pool is
+    refused at admission with context_length_exceeded; no lease, page, tag or transfer exists,
+    and a request that fits is still served."""
+    config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, chunk_tokens=16,
+                             disaggregated=True)
+    async with anyio.create_task_group() as tg:
+        serving = await start_serving(tg, tiny, "tcp", config, num_pages=8)  # 32 tokens per pool
+        s = serving.scheduler
+        with pytest.raises(AdmissionRejected) as info:
+            s.submit(list(range(3, 3 + 60)), SamplingParams(temperature=0, max_tokens=4))
+        assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+        assert info.value.param == "messages" and "32 (prefill)" in info.value.message
+        assert s.in_flight() == 0 and s.pages_in_use() == {"prefill": 0, "decode": 0}
+        assert not s.prefill.grants and not s.decode.grants  # no page was ever handed out
+        for w in serving.workers:
+            assert not w.pool.owner_tags.any()  # and no page was ever tagged
+        assert s.metrics.transfers.labels("ok")._value.get() == 0
+        ids, _, reason, error = await collect(s.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=4)))
+        assert reason == "length" and error is None and len(ids) == 4
+        await wait_idle(Harness(s, serving.workers))
+        await serving.aclose()
+        tg.cancel_scope.cancel()
