@@ -29,7 +29,7 @@ from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import PageGrant, RunStep, SeqStep, StepDone, WorkerReply, id_hex
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.page_ledger import PageLedger
-from kvfence.scheduler.policy import decode_step, prefill_chunks
+from kvfence.scheduler.policy import decode_steps, prefill_chunks
 from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.transfer import TransferLink
 
@@ -233,6 +233,11 @@ class Scheduler:
         else:
             req.handle.push(OutputDelta(text, [token]))
 
+    def _accept_decoded(self, decodes: list[Request], tokens: list[int | None]) -> None:
+        for req, token in zip(decodes, tokens):
+            if not req.state.terminal and token is not None:
+                self._accept_token(req, token)
+
     def _settle(self, role: str, reqs: list[Request], seqs: list[SeqStep], reply: WorkerReply) -> StepDone | None:
         """Fail the requests of a failed step, or those whose pages failed the owner-tag check.
 
@@ -299,7 +304,7 @@ class Scheduler:
             self._drop_aborted(self.prefilling)
             self._drop_aborted(self.decoding)
             decodes = list(self.decoding)
-            seqs = [decode_step(r, r.decode_lease, r.decode_pages, len(r.tokens) - 1) for r in decodes]
+            seqs = decode_steps(decodes)
             chunks = prefill_chunks(self.prefilling, self.config.chunk_tokens - len(seqs))
             if not seqs and not chunks:
                 await self._wait_for_prefill_work()
@@ -309,9 +314,7 @@ class Scheduler:
                                  await self.prefill.channel.call(self.prefill.message(self._next_step_id(), all_seqs)))
             if reply is None:
                 continue
-            for req, token in zip(decodes, reply.tokens):
-                if not req.state.terminal and token is not None:
-                    self._accept_token(req, token)
+            self._accept_decoded(decodes, reply.tokens)
             for (req, seq), token in zip(chunks, reply.tokens[len(seqs):]):
                 if req.state.terminal:
                     continue
@@ -396,11 +399,9 @@ class Scheduler:
             if not decodes:
                 await self._wait_for_decode_work()
                 continue
-            seqs = [decode_step(r, r.decode_lease, r.decode_pages, len(r.tokens) - 1) for r in decodes]
+            seqs = decode_steps(decodes)
             reply = self._settle("decode", decodes, seqs,
                                  await self.decode.channel.call(self.decode.message(self._next_step_id(), seqs)))
             if reply is None:
                 continue
-            for req, token in zip(decodes, reply.tokens):
-                if not req.state.terminal and token is not None:
-                    self._accept_token(req, token)
+            self._accept_decoded(decodes, reply.tokens)

@@ -9,10 +9,10 @@ from kvfence.scheduler.messages import SamplingSpec, SeqStep, id_hex
 from kvfence.scheduler.request import Request
 
 
-def decode_step(req: Request, lease: int, pages: list[int], context_tokens: int) -> SeqStep:
-    """Feed the last token of `req`; it lands at position `context_tokens`."""
-    return SeqStep(id_hex(lease), [req.tokens[-1]], context_tokens, pages, SamplingSpec.of(req.params),
-                   req.num_generated)
+def decode_steps(requests: list[Request]) -> list[SeqStep]:
+    """One step per decoding request: feed its last token, which lands at position len(tokens) - 1."""
+    return [SeqStep(id_hex(r.decode_lease), [r.tokens[-1]], len(r.tokens) - 1, r.decode_pages,
+                    SamplingSpec.of(r.params), r.num_generated) for r in requests]
 
 
 def prefill_chunks(requests: list[Request], budget_tokens: int) -> list[tuple[Request, SeqStep]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny_models import bytes_to_unicode
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -31,21 +32,7 @@ TEXTS = [
 ]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer uses)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
-
-
-BYTE_CHAR = _bytes_to_unicode()
+BYTE_CHAR = bytes_to_unicode()  # GPT-2's byte -> printable character map
 
 
 @pytest.fixture(scope="module")
