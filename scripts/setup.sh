@@ -17,6 +17,18 @@ fi
 
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
+# Debian libraries the mooncake transport loads (RDMA verbs are linked even for its tcp protocol).
+APT_LIBS="libibverbs1 librdmacm1 libnuma1"
+missing_libs() { for p in $APT_LIBS; do dpkg -s "$p" >/dev/null 2>&1 || printf '%s ' "$p"; done; }
+if command -v dpkg >/dev/null 2>&1 && [ -n "$(missing_libs)" ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  log "installing $(missing_libs)(apt)"
+  # shellcheck disable=SC2046
+  $SUDO apt-get install -y -q $(missing_libs) >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q $(missing_libs) >/dev/null; } \
+    || log "could not install $APT_LIBS: the mooncake transport will be unavailable"
+fi
+
 # torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build, while 2.13.0
 # resolves to the CPU wheel on machines that carry it locally.
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
@@ -25,10 +37,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 
 STAMP="$VENV/.kvfence-install-stamp"
-WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  log "installing kvfence and its test tools"
-  pip_install -e "$ROOT[test]"
+  # every transport and the kernels' interpreter, so tests (and CI) run each of them
+  log "installing kvfence with its transports, triton and test tools"
+  pip_install -e "$ROOT[test,nixl,mooncake,triton]"
   echo "$WANT" > "$STAMP"
 fi
 

@@ -11,4 +11,10 @@
     endpoint        PoolEndpoint: what tcp and inprocess share (expect, completion, cancel, checks)
     tcp, tcp_wire, tcp_io, tcp_send, tcp_receive   the TCP transport
     inprocess       the in-process transport (endpoints meet through an InProcessHub)
+    data_plane      DataPlane: the byte mover under a one-sided transport (register, connect, WRITE, poll)
+    onesided, onesided_send, onesided_receive, onesided_link, onesided_wire
+                    OneSidedTransport: a TCP control channel (pairing, admission, verdicts) over a DataPlane
+    nixl, nixl_plane            NIXL (UCX) WRITEs with notifications      (pip install 'kvfence[nixl]')
+    mooncake, mooncake_plane    Mooncake transfer engine batch writes     (pip install 'kvfence[mooncake]')
+    faults          FaultInjectingTransport: drop, delay, corrupt, truncate, ... around any transport
 """

@@ -17,6 +17,9 @@ A plan is a comma-separated list of faults (the server reads it from `--fault-in
     vanish        close the wrapped transport, then push (it fails; the pair is gone for good)
     late_write    after the push returned its verdict, push the same transfer id again with one
                   byte of every page flipped, so a landing would show; it must be refused
+    stuck         the push never returns and this side never acknowledges its cancellation (as a
+                  one-sided write that may still land): the server times out and must keep the
+                  destination pages quarantined, never free
 
 Each fault may carry one selector: `@P` fires with probability P (0..1) on each push, `#N` on
 every N-th push through this wrapper (the N-th, 2N-th, ...); none: every push. Selection is
@@ -44,7 +47,7 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, Transfer
                                      Transport)
 from kvfence.transports.digest import page_digest
 
-FAULT_KINDS = ("drop", "delay", "corrupt", "truncate", "duplicate", "fail_post", "vanish", "late_write")
+FAULT_KINDS = ("drop", "delay", "corrupt", "truncate", "duplicate", "fail_post", "vanish", "late_write", "stuck")
 _SYNTAX = "NAME[=SECONDS][@PROBABILITY|#EVERY_NTH], comma-separated, e.g. 'corrupt@0.5,delay=0.2#3'"
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)(?:=(?P<value>[^@#]*))?(?:(?P<sel>[@#])(?P<arg>.*))?$")
 
@@ -158,6 +161,7 @@ class FaultInjectingTransport(Transport):
         self.plan = plan
         self.injected: collections.Counter[str] = collections.Counter()  # fault kind -> times injected
         self.extra_results: list[TransferResult] = []  # verdicts of duplicate / late_write pushes
+        self._stuck: set[str] = set()  # transfers whose cancellation this side never acknowledges
         self.pushes = 0
         self._rng = random.Random(seed)
         self._pages: torch.Tensor | None = None  # the sender's pool as (num_pages, page_nbytes) uint8
@@ -184,7 +188,8 @@ class FaultInjectingTransport(Transport):
         return await self.inner.completion(transfer_id)
 
     async def cancel(self, transfer_id: str) -> bool:
-        return await self.inner.cancel(transfer_id)
+        acknowledged = await self.inner.cancel(transfer_id)
+        return acknowledged and transfer_id not in self._stuck
 
     async def health(self) -> bool:
         return await self.inner.health()
@@ -201,6 +206,10 @@ class FaultInjectingTransport(Transport):
         if "fail_post" in faults:
             self.injected["fail_post"] += 1
             raise InjectedFault(f"injected fault: posting transfer {tid} failed")
+        if "stuck" in faults:
+            self.injected["stuck"] += 1
+            self._stuck.add(tid)
+            await anyio.sleep_forever()
         if "vanish" in faults:
             self.injected["vanish"] += 1
             await self.inner.aclose()

@@ -29,7 +29,7 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused
                                      TransferResult, TransportUnavailable)
 from kvfence.transports.endpoint import PoolEndpoint, pairing_problem
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
-from kvfence.transports.tcp_io import Channel, accept, connect, listen
+from kvfence.transports.tcp_io import Channel, accept_forever, connect, listen
 from kvfence.transports.tcp_receive import serve_connection
 from kvfence.transports.tcp_send import SenderConnection
 from kvfence.transports.tcp_wire import MAX_HELLO, Hello, HelloReply
@@ -94,17 +94,8 @@ class TcpTransport(PoolEndpoint):
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None and self._tg is not None
-        while True:
-            try:
-                sock = await accept(self._listener)
-            except anyio.ClosedResourceError:
-                return
-            except OSError:  # e.g. out of file descriptors: keep serving the existing connections
-                if self._listener.fileno() == -1:
-                    return
-                await anyio.sleep(0.1)
-                continue
-            self._tg.start_soon(self._serve_one, Channel(sock))
+        tg = self._tg
+        await accept_forever(self._listener, lambda sock: tg.start_soon(self._serve_one, Channel(sock)))
 
     async def _serve_one(self, channel: Channel) -> None:
         _, receiver = self._started()

@@ -150,6 +150,23 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def accept_forever(listener: socket.socket, on_socket: Callable[[socket.socket], object]) -> None:
+    """Hand every accepted connection to `on_socket` (e.g. to start a task) until the listener is
+    closed. A transient failure (e.g. out of file descriptors) pauses and retries, so the
+    connections already open keep being served."""
+    while True:
+        try:
+            sock = await accept(listener)
+        except anyio.ClosedResourceError:
+            return
+        except OSError:
+            if listener.fileno() == -1:
+                return
+            await anyio.sleep(0.1)
+            continue
+        on_socket(sock)
+
+
 async def accept(listener: socket.socket) -> socket.socket:
     while True:
         try:

@@ -35,6 +35,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     accepted: bool
     reason: str
     info: EndpointInfo
+    plane: bytes = b""  # one-sided transports (onesided_wire): the data-plane descriptor
 
 
 class PushHeader(msgspec.Struct, tag="push", frozen=True):

@@ -1,5 +1,5 @@
 """Fault injection (transports/faults.py): the plan parser, deterministic selection, and each
-fault against real tcp / inprocess pairs (plain and staged): the receiver's verdict is a failure
+fault against real tcp / inprocess pairs (plain and staged) and nixl pairs: the receiver's verdict is a failure
 with the right reason, a failed transfer leaves the destination pages as they were, and the pair
 still moves a clean transfer afterwards (except after `vanish`)."""
 
@@ -284,6 +284,23 @@ async def test_late_write(kind: str) -> None:
         p.assert_landed(SRC, DST)  # the true bytes, not the late write's flipped ones
         assert (await p.rx.completion(manifest.transfer_id)).ok
         assert injected(p) == {"late_write": 1}
+        await assert_pair_still_works(p)
+
+
+@pytest.mark.anyio
+async def test_stuck(kind: str) -> None:
+    """The push never returns; this side's cancel of it is never acknowledged; others still work."""
+    async with faulty_pair(kind, "stuck#1") as p:
+        manifest = make_manifest(len(SRC))
+        p.rx.expect(manifest, DST)
+        assert p.peer is not None
+        with anyio.move_on_after(0.2) as scope:
+            await p.tx.push(p.peer, manifest, SRC, DST)
+        assert scope.cancelled_caught
+        assert await p.tx.cancel(manifest.transfer_id) is False
+        assert await p.rx.cancel(manifest.transfer_id) is True
+        assert injected(p) == {"stuck": 1}
+        p.assert_untouched()
         await assert_pair_still_works(p)
 
 

@@ -1,4 +1,4 @@
-"""Conformance of the built-in transports (tcp, inprocess) to the Transport contract: pairing,
+"""Conformance of the built-in transports (tcp, inprocess, nixl) to the Transport contract: pairing,
 exact placement of pages, and the rejections that must leave the receiver's pool untouched."""
 
 from __future__ import annotations

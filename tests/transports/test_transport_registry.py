@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -30,7 +31,12 @@ def test_unknown_name_lists_the_known_ones() -> None:
 
 
 @pytest.mark.parametrize("name", ["nixl", "mooncake"])
-def test_missing_optional_transport_gives_the_install_hint(name: str) -> None:
+def test_missing_optional_transport_gives_the_install_hint(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hide the optional package even where it is installed: None in sys.modules fails its import,
+    # and the transport modules that imported it already are forgotten (monkeypatch restores both).
+    for module in [m for m in sys.modules if m.split(".")[0] == name or m.startswith(f"kvfence.transports.{name}")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(TransportUnavailable, match=rf"pip install 'kvfence\[{name}\]'"):
         registry.transport_class(name)
 

@@ -6,6 +6,13 @@ pools staged through host memory (`stage_through_host=True`, as a CUDA pool is),
 `STAGE_CHUNK_PAGES` pages at a time, so every test of a kind also covers the staged path on a CPU.
 `Pair.kind` is the transport's name, `Pair.staged` the mode.
 
+"nixl" and "mooncake": one-sided WRITEs through NIXL or the Mooncake transfer engine (skipped
+where the package is not installed), with writes of `ONESIDED_WRITE_CHUNK_PAGES` pages so that a
+push of several pages is several writes, as a large one is. There is no "nixl+staged": the staged path lands a push in host buffers allocated per transfer
+and copies the sender's pages into buffers of its own, but a one-sided write can only go from and
+to memory both planes registered (and exchanged) when they paired; a GPU pool would be registered
+with NIXL directly instead (the transport refuses pools that are not on the CPU for now).
+
 Pools: `num_pages` pages of `page_floats` float32 (default 32 x 4 KiB); random on the sender,
 zeros on the receiver; on the CPU unless `devices` names others (e.g. CUDA, which transports stage
 through host memory on their own). Both endpoints are closed when the context exits.
@@ -13,12 +20,14 @@ through host memory on their own). Both endpoints are closed when the context ex
 
 from __future__ import annotations
 
+import importlib.util
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
+import pytest
 import torch
 
 from kvfence.transports.base import EndpointInfo, PairingRecord, Peer, TransferManifest, Transport
@@ -26,8 +35,10 @@ from kvfence.transports.digest import page_digest
 from kvfence.transports.inprocess import InProcessHub
 from kvfence.transports.registry import create_transport
 
-KINDS = ["tcp", "inprocess", "tcp+staged", "inprocess+staged"]
+KINDS = ["tcp", "inprocess", "tcp+staged", "inprocess+staged", "nixl", "mooncake"]
+ONESIDED_PACKAGES = {"nixl": "nixl", "mooncake": "mooncake"}  # transport -> the module it needs
 STAGE_CHUNK_PAGES = 3  # not a divisor of the default 32 pages: the last chunk is partial
+ONESIDED_WRITE_CHUNK_PAGES = 5  # neither: the last write of a 32-page push is partial
 
 
 def make_record(page_nbytes: int = 4096, **changes: object) -> PairingRecord:
@@ -58,6 +69,10 @@ def split_kind(kind: str) -> tuple[str, bool]:
 def make_transport(kind: str, hub: InProcessHub, page_nbytes: int = 4096) -> Transport:
     name, staged = split_kind(kind)
     options: dict[str, object] = {"hub": hub} if name == "inprocess" else {}
+    if name in ONESIDED_PACKAGES:
+        if importlib.util.find_spec(ONESIDED_PACKAGES[name]) is None:
+            pytest.skip(f"{name} is not installed")
+        options.update(write_chunk_bytes=ONESIDED_WRITE_CHUNK_PAGES * page_nbytes)
     if staged:
         options.update(stage_through_host=True, stage_chunk_bytes=STAGE_CHUNK_PAGES * page_nbytes)
     return create_transport(name, **options)

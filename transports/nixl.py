@@ -1,0 +1,31 @@
+"""`NixlTransport`: KV pages by NIXL one-sided WRITEs (UCX), paired and steered over a small TCP
+control channel. The protocol is onesided.py's; the byte moving, and what NIXL does on this kind
+of machine, is nixl_plane.py's. Needs the `nixl` package: pip install 'kvfence[nixl]'.
+
+Pools must be on the CPU for now (onesided.py says why); `stage_through_host` is not offered: the
+staged path's host buffers are allocated per transfer, after pairing, while a one-sided write can
+only target memory the writer learnt about when it paired, and a GPU pool would be registered with
+NIXL directly rather than staged.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvfence.transports.nixl_plane import NixlPlane
+from kvfence.transports.onesided import OneSidedTransport
+
+
+class NixlTransport(OneSidedTransport):
+    name: ClassVar[str] = "nixl"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout_s: float = 10.0,
+                 cancel_ack_timeout_s: float = 5.0, write_chunk_bytes: int = 8 << 20,
+                 poll_interval_s: float = 0.001, backend: str = "UCX") -> None:
+        """`host`/`port`: where the control channel listens (0: an ephemeral port).
+        `cancel_ack_timeout_s`: how long `cancel` (and `aclose`) wait for writes in flight to end.
+        `write_chunk_bytes`: the most one write moves (see OneSidedTransport). `backend`: the NIXL
+        backend plugin."""
+        super().__init__(NixlPlane(backend), host, port, handshake_timeout_s=handshake_timeout_s,
+                         cancel_ack_timeout_s=cancel_ack_timeout_s, write_chunk_bytes=write_chunk_bytes,
+                         poll_interval_s=poll_interval_s)

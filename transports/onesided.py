@@ -1,0 +1,304 @@
+"""`OneSidedTransport`: page bytes move by one-sided WRITEs through a `DataPlane` (NIXL,
+Mooncake); a small TCP control channel (onesided_wire, over tcp_io) pairs endpoints and decides,
+per push, whether and when the sender may write.
+
+Pairing is tcp's: the connecting side sends its EndpointInfo, the listener refuses another
+transport or any byte-defining record mismatch (naming the field), else answers with its own
+info and its plane descriptor; the connecting side re-checks the record and the incarnation and
+`connect`s its plane to the listener's registered pool.
+
+A push: the sender announces the manifest and dst pages; the receiver `admit`s it against what it
+expected (nothing expected, a duplicate or any mismatch is refused and nothing is written) and
+answers "go"; only then does the sender post writes of its source page ranges into the dst page
+ranges (pages consecutive on both sides merged), `write_chunk_bytes` at a time, each posted once
+the previous one is DONE. The last write carries the transfer id as its notification (or, for a
+plane without notifications, the sender sends "landed" once it is DONE); on that the receiver
+recomputes the digests over the landed pages (`PoolReceiver.finish`) and answers with the
+verdict, which `push` returns. A write that fails (or fails to post) is reported to the receiver
+at once ("write_failed"). As with tcp into a host pool, a push that fails verification leaves its
+bytes in its dst pages: the verdict is what says they are not KV.
+
+Cancellation: a posted WRITE cannot be stopped. The sender's `cancel` stops before the next write
+and returns True once the write in flight is terminal; the receiver's `cancel` after "go" asks the
+sender to stop and returns True once the writes are known terminal (the data landed, or the sender
+reported every write terminal). Both wait at most `cancel_ack_timeout_s`, else return False: the
+pages may still be read or written and must stay quarantined.
+
+One task polls write states and notifications: quickly while writes are in flight or expected
+(backing off to `poll_interval_s`), not at all when idle. A lost control connection fails its
+transfers with "peer_lost" (a write already posted may still land: the receiver's `cancel` then
+returns False). Pools must be on the CPU: a CUDA pool would be registered with the plane directly
+(NIXL writes VRAM), not staged through host memory, and verified by a digest over device memory;
+neither is built yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import anyio
+import torch
+from anyio.abc import TaskGroup, TaskStatus
+
+from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
+                                     TransferResult, TransportUnavailable)
+from kvfence.transports.data_plane import DataPlane, WriteState
+from kvfence.transports.endpoint import PoolEndpoint, pairing_problem
+from kvfence.transports.onesided_link import Link
+from kvfence.transports.onesided_receive import ReceiverHalf, answer_hello
+from kvfence.transports.onesided_send import SenderHalf
+from kvfence.transports.onesided_wire import MAX_HELLO, Hello, HelloReply, recv_message, send_message
+from kvfence.transports.tcp import split_address
+from kvfence.transports.tcp_io import Channel, ConnectionGone, accept_forever, connect, listen
+from kvfence.transports.tcp_wire import ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class OneSidedPeer(Peer):
+    def __init__(self, owner: OneSidedTransport, info: EndpointInfo, link: Link) -> None:
+        self.owner = owner
+        self.info = info
+        self.link = link
+
+
+class OneSidedTransport(PoolEndpoint):
+    """Base of the one-sided transports; a subclass sets `name` and passes its plane (one per
+    endpoint, not yet opened). `host`/`port`: where the control channel listens (port 0: an
+    ephemeral one). `write_chunk_bytes`: the most a single write of a push moves (at least a
+    page): it bounds how long one post or poll can hold the event loop where the plane copies
+    inside the call (see nixl_plane), and how much a cancelled push still moves."""
+
+    def __init__(self, plane: DataPlane, host: str = "127.0.0.1", port: int = 0, *,
+                 handshake_timeout_s: float = 10.0, cancel_ack_timeout_s: float = 5.0,
+                 write_chunk_bytes: int = 8 << 20, poll_interval_s: float = 0.001) -> None:
+        super().__init__(stage_through_host=False)
+        for what, value in (("handshake_timeout_s", handshake_timeout_s), ("write_chunk_bytes", write_chunk_bytes),
+                            ("cancel_ack_timeout_s", cancel_ack_timeout_s), ("poll_interval_s", poll_interval_s)):
+            if not value > 0:
+                raise ValueError(f"{what} must be positive, got {value!r}")
+        self.plane = plane
+        self.host, self.port = host, port
+        self.handshake_timeout_s = handshake_timeout_s
+        self.cancel_ack_timeout_s = cancel_ack_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._sender = SenderHalf(plane, self._outgoing, self._kick, write_chunk_bytes=write_chunk_bytes,
+                                  cancel_ack_timeout_s=cancel_ack_timeout_s)
+        self._rx: ReceiverHalf | None = None
+        self._descriptor = b""
+        self._listener: socket.socket | None = None
+        self._tg: TaskGroup | None = None
+        self._stopped = anyio.Event()
+        self._wake = anyio.Event()
+        self._peers: dict[str, Link] = {}  # links this endpoint opened, by peer address
+        self._accepted: set[Link] = set()
+
+    # -- serving ---------------------------------------------------------------------------
+    async def start(self, task_group: TaskGroup, memory: torch.Tensor, record: PairingRecord) -> EndpointInfo:
+        """Register the pool with the plane, listen, and serve in `task_group`.
+        TransportUnavailable: a pool not on the CPU, a port that cannot be bound, a plane that
+        cannot start."""
+        if memory.device.type != "cpu":
+            raise TransportUnavailable(
+                f"the {self.name} transport takes a CPU pool, not one on {memory.device}: a device pool "
+                f"would be registered with the plane directly, which is not supported yet; use tcp")
+        pool = self._register(memory, record)
+        self._rx = ReceiverHalf(self._started()[1], self._kick)
+        try:
+            self._listener = listen(self.host, self.port)
+        except OSError as e:
+            raise TransportUnavailable(f"{self.name} transport cannot listen on {self.host}:{self.port}: {e}") from e
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self._info = EndpointInfo(self.name, f"{host}:{self._listener.getsockname()[1]}", record)
+        try:
+            try:
+                self._descriptor = self.plane.open(pool.memory)
+            except TransportUnavailable:
+                raise
+            except Exception as e:
+                raise TransportUnavailable(f"the {self.plane.name} data plane did not start: {e}") from e
+            await task_group.start(self._serve)
+        except BaseException:
+            self._shutdown()
+            raise
+        return self._info
+
+    async def _serve(self, *, task_status: TaskStatus[None]) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._accept_loop)
+                tg.start_soon(self._poll_loop)
+                task_status.started()
+        finally:
+            self._shutdown()
+            self._stopped.set()
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None and self._tg is not None
+        tg = self._tg
+        await accept_forever(self._listener, lambda sock: tg.start_soon(self._serve_sender, Link(Channel(sock))))
+
+    async def _serve_sender(self, link: Link) -> None:
+        """A sender connected: pair, then take its messages until the link ends."""
+        assert self._tg is not None and self._rx is not None
+        rx, reason = self._rx, "peer_lost"
+        self._accepted.add(link)
+        try:
+            if await answer_hello(link, self.info, self._descriptor, self.handshake_timeout_s):
+                self._tg.start_soon(link.write_loop)
+                while True:
+                    rx.on_message(link, await recv_message(link.channel))
+        except (ProtocolError, TimeoutError):  # before ConnectionGone: both are OSErrors
+            reason = "protocol_error"
+        except ConnectionGone:
+            pass
+        finally:
+            self._accepted.discard(link)
+            link.lose(reason)
+            rx.drop_link(link, link.lost_reason)
+
+    async def _serve_receiver(self, link: Link) -> None:
+        """Take the answers of the receiver this endpoint paired with until the link ends."""
+        try:
+            while True:
+                self._sender.on_message(link, await recv_message(link.channel))
+        except ConnectionGone:  # includes ProtocolError
+            pass
+        finally:
+            link.lose("peer_lost")
+            self._sender.drop_link(link)
+
+    # -- polling ---------------------------------------------------------------------------
+    def _kick(self) -> None:
+        self._wake.set()
+
+    async def _poll_loop(self) -> None:
+        """Poll write states and notifications while anything is in flight; sleep when idle."""
+        delay = 0.0
+        while True:
+            rx = self._rx
+            if not self._sender.writes and not (rx is not None and rx.incoming):
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                delay = 0.0
+                continue
+            progressed = self._sender.poll_writes()
+            if rx is not None and (notes := self.plane.notifications()):
+                rx.on_notifications(notes)
+                progressed = True
+            delay = 0.0 if progressed else min(self.poll_interval_s, max(2 * delay, self.poll_interval_s / 16))
+            await anyio.sleep(delay)
+
+    # -- pairing and pushing -----------------------------------------------------------------
+    async def pair(self, peer: EndpointInfo) -> Peer:
+        """Connect to `peer` and pair. PairingRefused on any mismatch (either side's verdict);
+        OSError (ConnectionError) when unreachable, not speaking this protocol, or its data
+        plane cannot be reached; TimeoutError when the handshake stalls."""
+        if self._tg is None or self._closed or self._stopped.is_set():
+            raise RuntimeError(f"{self.name} transport is not serving")
+        if peer.transport != self.name:
+            raise PairingRefused(f"transport: {self.name!r} != {peer.transport!r}")
+        link = Link(Channel(await connect(*split_address(peer.address))))
+        try:
+            with anyio.fail_after(self.handshake_timeout_s):
+                async with link.channel.send_lock:
+                    await send_message(link.channel, Hello(self.info))
+                reply = await recv_message(link.channel, MAX_HELLO)
+            if not isinstance(reply, HelloReply):
+                raise ConnectionError(f"{peer.address}: expected hello_reply, got {type(reply).__name__}")
+            if not reply.accepted:
+                raise PairingRefused(f"{peer.address} refused to pair: {reply.reason}")
+            if problem := pairing_problem(self.info, reply.info):
+                raise PairingRefused(f"refusing to pair with {peer.address}: {problem}")
+            if reply.info.record.incarnation != peer.record.incarnation:
+                raise PairingRefused(f"{peer.address} is incarnation {reply.info.record.incarnation!r}, "
+                                     f"not {peer.record.incarnation!r}")
+            if self._closed or self._stopped.is_set():
+                raise RuntimeError(f"{self.name} transport closed while pairing")
+            try:
+                link.plane_peer = self.plane.connect(reply.plane)
+            except Exception as e:
+                raise ConnectionError(f"{peer.address}: cannot reach its {self.plane.name} data plane: {e}") from e
+            link.peer = reply.info
+        except BaseException:
+            link.lose("peer_lost")
+            raise
+        if (old := self._peers.pop(peer.address, None)) is not None:
+            old.lose("peer_lost")
+        self._peers[peer.address] = link
+        self._tg.start_soon(link.write_loop)
+        self._tg.start_soon(self._serve_receiver, link)
+        return OneSidedPeer(self, reply.info, link)
+
+    async def push(self, peer: Peer, manifest: TransferManifest, src_pages: list[int],
+                   dst_pages: list[int]) -> TransferResult:
+        """Write the pages and return the receiver's verdict ("cancelled" when either side
+        cancelled it, "write_failed" when a write failed, "peer_lost" / "transport_closed" when a
+        side went away). Returns (or raises, or ends cancelled) only once no write of the push is
+        in flight: a write its plane keeps PENDING keeps the push waiting, until the pushing task
+        is cancelled and `cancel_ack_timeout_s` passes (then the pair is dropped, and the write
+        may still read the source pages). ValueError on bad arguments or a peer not paired by
+        this endpoint."""
+        pool = self._check_push(manifest, src_pages, dst_pages)
+        if not isinstance(peer, OneSidedPeer) or peer.owner is not self:
+            raise ValueError(f"push to a peer this {self.name} endpoint did not pair with")
+        return await self._sender.push(peer.link, pool, manifest, list(src_pages), list(dst_pages))
+
+    async def cancel(self, transfer_id: str) -> bool:
+        """Both halves. Receiving: un-expect it at once (a later announcement is refused); if it
+        was told "go", ask the sender to stop. Sending: post no further write and read no further
+        source page. True once no write of it can still land here or read there; False when that
+        was not confirmed within `cancel_ack_timeout_s` (its pages must stay quarantined)."""
+        inc = self._rx.cancel(transfer_id) if self._rx is not None else None
+        write = self._sender.cancel(transfer_id)
+        with anyio.move_on_after(self.cancel_ack_timeout_s):
+            if inc is not None:
+                await inc.settled.wait()
+            if write is not None:
+                await write.done.wait()
+        return (inc is None or inc.proven) and (write is None or write.state is not WriteState.PENDING)
+
+    # -- health and shutdown -----------------------------------------------------------------
+    async def health(self) -> bool:
+        """Serving, and every paired link is alive."""
+        return (self._listener is not None and self._listener.fileno() != -1 and self._tg is not None
+                and not self._closed and not self._stopped.is_set()
+                and all(link.alive for link in self._peers.values()))
+
+    async def aclose(self) -> None:
+        """Fail everything pending ("transport_closed"); ask the senders writing into this pool to
+        stop and wait up to `cancel_ack_timeout_s` for every write in flight, both ways, to be
+        terminal; then stop the tasks, close the sockets and the plane. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self._receiver is not None:
+                self._receiver.close("transport_closed")
+            self._outgoing.settle_all("transport_closed")
+            if self._rx is not None:
+                self._rx.stop_all()
+            if self._tg is not None:
+                with anyio.move_on_after(self.cancel_ack_timeout_s):
+                    while self._sender.writes or (self._rx is not None and self._rx.incoming):
+                        await anyio.sleep(self.poll_interval_s)
+                self._tg.cancel_scope.cancel()  # _serve shuts down on its way out
+            else:
+                self._shutdown()
+        if self._tg is not None:
+            await self._stopped.wait()
+
+    def _shutdown(self) -> None:
+        """Close links and listener, give up on writes still in flight, close the plane."""
+        for link in [*self._peers.values(), *self._accepted]:
+            link.lose("transport_closed")
+        if self._listener is not None and self._listener.fileno() != -1:
+            anyio.notify_closing(self._listener)
+            self._listener.close()
+        self._sender.abandon()
+        if self._rx is not None:
+            self._rx.abandon()
+        try:
+            self.plane.close()
+        except Exception:
+            log.exception("closing the %s data plane failed", self.plane.name)

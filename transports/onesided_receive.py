@@ -1,0 +1,122 @@
+"""The receiving half of a one-sided transport: pairing answers, admissions, verdicts.
+
+Nothing here writes the pool: the sender's plane does, and only after this half said "go" to an
+admitted push (`PoolReceiver.admit`: what was not expected, or does not match, is refused and
+never gets a "go"). A push is `Incoming` from its "go" until its writes are known terminal: its
+notification or "landed" arrived (then `PoolReceiver.finish` recomputes the digests over the
+landed pages and the verdict goes back), or the sender reported them terminal with an Abort. A
+lost link or a shutdown ends the transfer ("peer_lost", "protocol_error", "transport_closed")
+without that proof: a write already posted may still land in its dst pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+
+from kvfence.transports.base import EndpointInfo
+from kvfence.transports.endpoint import pairing_problem
+from kvfence.transports.onesided_link import Incoming, Link
+from kvfence.transports.onesided_wire import (MAX_HELLO, Abort, Announce, Cancel, Go, Hello, HelloReply, Landed,
+                                              Message, Stop, Verdict, recv_message, send_message)
+from kvfence.transports.receiver import PoolReceiver
+from kvfence.transports.tcp_wire import ProtocolError
+
+
+async def answer_hello(link: Link, me: EndpointInfo, descriptor: bytes, timeout_s: float) -> bool:
+    """Answer the peer's Hello: refuse another transport or any byte-defining record mismatch
+    (naming the field), else send this endpoint's info and plane descriptor. True when paired."""
+    with anyio.fail_after(timeout_s):
+        hello = await recv_message(link.channel, MAX_HELLO)
+        if not isinstance(hello, Hello):
+            raise ProtocolError(f"expected hello, got {type(hello).__name__}")
+        problem = pairing_problem(me, hello.info)
+        reply = HelloReply(problem is None, problem or "", me, b"" if problem else descriptor)
+        async with link.channel.send_lock:
+            await send_message(link.channel, reply)
+    link.peer = hello.info
+    return problem is None
+
+
+class ReceiverHalf:
+    """The pushes into one endpoint's pool that were told "go" (`incoming`, for the poller)."""
+
+    def __init__(self, receiver: PoolReceiver, kick: Callable[[], None]) -> None:
+        self.receiver = receiver
+        self.kick = kick  # wakes the poller: a write may now land
+        self.incoming: dict[str, Incoming] = {}  # "go" sent, writes not known terminal
+
+    def on_message(self, link: Link, message: Message) -> None:
+        """A message from the sender at the other end of `link`."""
+        match message:
+            case Announce():
+                self._admit(link, message)
+            case Landed(transfer_id=tid):
+                if (inc := self._on(link, tid)) is not None:
+                    self._landed(inc)
+            case Abort(transfer_id=tid, reason=reason):
+                if (inc := self._on(link, tid)) is not None:
+                    self._end(inc, reason or "cancelled", proven=True)
+            case Cancel(transfer_id=tid):
+                if tid not in self.incoming:  # only ever sent before its push was announced
+                    self.receiver.cancel(tid)
+            case _:
+                raise ProtocolError(f"unexpected {type(message).__name__} from a sender")
+
+    def _admit(self, link: Link, announce: Announce) -> None:
+        manifest = announce.manifest
+        if announce.page_nbytes < 1 or manifest.num_pages < 1:
+            raise ProtocolError(f"bad announcement of {manifest.transfer_id}")
+        adm = self.receiver.admit(manifest, announce.dst_pages, announce.page_nbytes)
+        if not adm.live:  # refused: the verdict is the refusal, and no "go"
+            link.send(Verdict(self.receiver.finish(adm, 0, [])))
+            return
+        self.incoming[adm.transfer_id] = Incoming(adm, link, list(announce.digests))
+        link.send(Go(adm.transfer_id))
+        self.kick()
+
+    def _on(self, link: Link, tid: str) -> Incoming | None:
+        inc = self.incoming.get(tid)
+        return inc if inc is not None and inc.link is link else None
+
+    def _landed(self, inc: Incoming) -> None:
+        """Every byte of the push is in its dst pages: verify, settle, answer."""
+        del self.incoming[inc.adm.transfer_id]
+        inc.settle(proven=True)
+        verdict = self.receiver.finish(inc.adm, inc.adm.num_pages, inc.digests)
+        inc.link.send(Verdict(verdict))
+
+    def _end(self, inc: Incoming, reason: str, proven: bool) -> None:
+        self.incoming.pop(inc.adm.transfer_id, None)
+        inc.settle(proven)
+        self.receiver.abort(inc.adm, reason)  # no-op when it was cancelled already
+
+    def on_notifications(self, notes: list[tuple[str, bytes]]) -> None:
+        """Notifications from the plane: each names a transfer whose writes all landed. Ones
+        for transfers not in flight here (ended, or never said "go" to) are ignored."""
+        for _peer, note in notes:
+            if (inc := self.incoming.get(note.decode("ascii", "replace"))) is not None:
+                self._landed(inc)
+
+    def cancel(self, transfer_id: str) -> Incoming | None:
+        """Un-expect the transfer (nothing of it is accepted any more); when it is in flight, ask
+        its sender to stop and return it (its `settled` / `proven` tell when that is known)."""
+        self.receiver.cancel(transfer_id)
+        inc = self.incoming.get(transfer_id)
+        if inc is not None:
+            inc.link.send(Stop(transfer_id, "cancelled"))
+        return inc
+
+    def stop_all(self) -> None:
+        """Closing: ask every sender writing into the pool to stop (to them, the peer is lost)."""
+        for tid, inc in self.incoming.items():
+            inc.link.send(Stop(tid, "peer_lost"))
+
+    def drop_link(self, link: Link, reason: str) -> None:
+        for inc in [i for i in self.incoming.values() if i.link is link]:
+            self._end(inc, reason, proven=False)
+
+    def abandon(self) -> None:
+        for inc in list(self.incoming.values()):
+            self._end(inc, "transport_closed", proven=False)
