@@ -12,7 +12,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from kvfence.engine.attention import AttentionBatch, paged_attention, store_kv
+from kvfence.engine.attention import AttentionBatch
+from kvfence.engine.attention_backend import select_attention_backend
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.linear import Linear
@@ -31,10 +32,13 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 attention_backend: str = "auto") -> None:
+        """`attention_backend`: auto | torch | triton (engine/attention_backend.py)."""
         self.config: ModelConfig = checkpoint.config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.attention = select_attention_backend(attention_backend, self.device)
         t = checkpoint.tensors
 
         def w(name: str) -> torch.Tensor:
@@ -84,8 +88,8 @@ class LlamaModel:
             k = qk[:, c.num_heads:]  # [T, kv_heads, head_dim]
             v = qkv[:, c.q_size + c.kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
             keys, values = pool.keys(i), pool.values(i)
-            store_kv(keys, values, k, v, batch)
-            attn = paged_attention(q, keys, values, batch)  # [T, heads, head_dim]
+            self.attention.store_kv(keys, values, k, v, batch)
+            attn = self.attention.paged_attention(q, keys, values, batch)  # [T, heads, head_dim]
             x = x + layer.o(attn.reshape(num_tokens, c.q_size))
             h = self._norm(x, layer.mlp_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, intermediate] each
