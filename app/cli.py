@@ -17,6 +17,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     p.add_argument("--page-size", type=int, default=16, dest="page_size_tokens", help="tokens per KV page")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="paged attention and KV store: auto (triton on CUDA when installed, else torch), torch, triton")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +35,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-device", default=None, help="auto, cpu or cuda:N")
     p.add_argument("--decode-device", default=None, help="auto, cpu or cuda:N")
     p.add_argument("--page-size", type=int, default=None, dest="page_size_tokens", help="tokens per KV page")
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="paged attention and KV store: auto (triton on CUDA when installed, else torch), torch, triton")
     p.add_argument("--prefill-num-pages", type=int, default=None)
     p.add_argument("--decode-num-pages", type=int, default=None)
     p.add_argument("--prefill-kv-memory", default=None, help="prefill KV pool size, e.g. 1GiB")
@@ -47,6 +51,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--kv-scrub", default=None, choices=["poison", "zero", "off"],
                    help="what freed KV pages are filled with (default poison: a stale read shows)")
+    p.add_argument("--kv-sanitizer", action="store_const", const=True, default=None,
+                   help="record which lease wrote every KV slot and fail any request that reads a slot its "
+                        "lease did not write (a testing aid; costs a check over the context per step)")
     p.add_argument("--fault-inject", default=None,
                    help="testing only: inject transfer faults, e.g. 'corrupt#3,delay=0.2@0.1' (also KVFENCE_FAULTS)")
     p.add_argument("--canary-interval", type=float, default=None, dest="canary_interval_s",
@@ -113,7 +120,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode(args.prompt)
     num_tokens = len(prompt_ids) + args.max_tokens
     num_pages = -(-num_tokens // args.page_size_tokens)
-    model = LlamaModel(checkpoint, dtype, device)
+    model = LlamaModel(checkpoint, dtype, device, attention_backend=args.attention_backend)
     del checkpoint
     pool = KVPool(model.config, num_pages, args.page_size_tokens, dtype, device)
     engine = OfflineEngine(ModelRunner(model, pool), tok, chunk_tokens=args.chunk_tokens)
@@ -136,6 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfence.app.config import load_config
     from kvfence.app.server import serve
     from kvfence.app.sizing import plan_pools, resolve_context
+    from kvfence.engine.attention_backend import resolve_backend_name
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.loading import pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
@@ -146,11 +154,12 @@ def _serve(args: argparse.Namespace) -> int:
     # Refuse an undersized pool before reading any weights (build_workers checks again).
     model = _read_model_config(path)
     element_size = pick_dtype(config.dtype, pick_device(config.prefill_device)).itemsize
+    for device in (config.prefill_device, config.decode_device):  # a bad backend fails before weights load
+        resolve_backend_name(config.attention_backend, pick_device(device))
     resolve_context(config, model, plan_pools(config, model, element_size))
     checkpoint = load_checkpoint(path)
     name = args.served_model_name or served_name(config.model)
-    anyio.run(serve, config, checkpoint, name)
-    return 0
+    return anyio.run(serve, config, checkpoint, name)
 
 
 def _read_model_config(path: Path):  # -> ModelConfig

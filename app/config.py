@@ -34,6 +34,8 @@ class ServeConfig:
     queue_timeout_s: float = 60.0  # a request that waits this long for KV pages ends with 503
     canary_interval_s: float = 30.0  # how often the readiness canary re-checks the serving path
     kv_scrub: str = "poison"  # what freed KV pages are filled with: poison | zero | off
+    attention_backend: str = "auto"  # auto | torch | triton (engine/attention_backend.py)
+    kv_sanitizer: bool = False  # shadow ledger of every KV slot's writer, checked on every read (tests)
     fault_inject: str = ""  # testing only: a transports.faults.FaultPlan spec for the sending side
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class ServeConfig:
             from kvfence.transports.faults import FaultPlan
 
             FaultPlan.parse(self.fault_inject)  # raises ValueError naming the problem
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.kv_scrub not in ("poison", "zero", "off"):
             raise ValueError(f"--kv-scrub must be poison, zero or off, got {self.kv_scrub!r}")
         if self.queue_timeout_s <= 0 or self.transfer_timeout_s <= 0:

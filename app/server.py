@@ -18,6 +18,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from kvfence.app.config import ServeConfig
 from kvfence.app.http_api import build_app
+from kvfence.app.pairing import pair_workers, role_record
 from kvfence.app.readiness import ReadinessCanary
 from kvfence.app.workers import build_workers
 from kvfence.engine.checkpoint import Checkpoint
@@ -27,17 +28,10 @@ from kvfence.engine.worker import WorkerChannel
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import Scheduler
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.ids import mint_id
-from kvfence.scheduler.messages import id_hex
 from kvfence.scheduler.metrics import SchedulerMetrics
-from kvfence.scheduler.transfer import TransferLink
-from kvfence.transports.base import PairingRecord
-from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
-from kvfence.transports.registry import transport_class
+from kvfence.transports.base import PairingRefused, Transport
 
 log = logging.getLogger(__name__)
-
-PAGE_LAYOUT = "pages,layers,kv,kv_heads,page_size,head_dim"
 
 
 class ServingEngine:
@@ -79,7 +73,9 @@ async def _drain_on_signal(scheduler: Scheduler, shutdown: anyio.Event, timeout_
             return
 
 
-async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) -> None:
+async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) -> int:
+    """Serve until SIGTERM/SIGINT drained (0), or 1 when the workers' transport endpoints refused
+    to pair (logged)."""
     workers = build_workers(config, checkpoint)
     prefill_pool = workers.prefill.pool
     decode_pool = workers.decode.pool if workers.decode is not None else prefill_pool
@@ -87,24 +83,16 @@ async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) ->
     metrics = SchedulerMetrics()
     async with anyio.create_task_group() as tg:
         link = None
-        transports = []
+        transports: list[Transport] = []
         if workers.decode is not None:
-            transport_cls = transport_class(config.transport)
-            record = PairingRecord(
-                model=model_identity(checkpoint, model_name), dtype=str(workers.dtype).removeprefix("torch."),
-                page_size_tokens=config.page_size_tokens, page_nbytes=prefill_pool.page_nbytes,
-                page_layout=PAGE_LAYOUT, digest="xxh3_64", max_context_tokens=context,
-                incarnation=id_hex(mint_id()))
-            sender, receiver = transport_cls(), transport_cls()
-            transports = [sender, receiver]
-            if config.fault_inject:
-                log.warning("FAULT INJECTION is on for KV transfers: %s", config.fault_inject)
-                sender = FaultInjectingTransport(sender, FaultPlan.parse(config.fault_inject))
-            receiver_info = await receiver.start(tg, decode_pool.data, record)
-            await sender.start(tg, prefill_pool.data, record)
-            peer = await sender.pair(receiver_info)
-            link = TransferLink(sender, receiver, peer, config.page_size_tokens, prefill_pool.page_nbytes)
-            log.info("paired prefill -> decode over %s (%s)", config.transport, receiver_info.address)
+            model_id = model_identity(checkpoint, model_name)
+            roles = [(pool, role_record(pool, model_id, context)) for pool in (prefill_pool, decode_pool)]
+            try:
+                paired = await pair_workers(tg, config.transport, roles[0], roles[1], config.fault_inject)
+            except PairingRefused:
+                tg.cancel_scope.cancel()
+                return 1
+            link, transports, context = paired.link, paired.endpoints, paired.max_context_tokens
         scheduler = Scheduler(
             SchedulerConfig(page_size_tokens=config.page_size_tokens, max_context_tokens=context,
                             max_running=config.max_running, max_queue=config.max_queue,
@@ -145,3 +133,4 @@ async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) ->
         for t in transports:
             await t.aclose()
         tg.cancel_scope.cancel()
+    return 0

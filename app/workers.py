@@ -46,11 +46,12 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint) -> Workers:
     for role, plan in zip(roles, plans, strict=True):
         device = devices[role]
         if device not in models:
-            models[device] = LlamaModel(checkpoint, dtype, device)
+            models[device] = LlamaModel(checkpoint, dtype, device, attention_backend=config.attention_backend)
         model = models[device]
         pool = KVPool(model.config, plan.num_pages, plan.page_size_tokens, dtype, device)
-        log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s)", plan.role, device,
-                 plan.num_pages, plan.page_size_tokens, pool.capacity_tokens, plan.pool_bytes / 2**20,
-                 str(dtype).removeprefix("torch."))
-        workers[role] = Worker(plan.role, ModelRunner(model, pool), scrub=config.kv_scrub)
+        log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s, %s attention)",
+                 plan.role, device, plan.num_pages, plan.page_size_tokens, pool.capacity_tokens,
+                 plan.pool_bytes / 2**20, str(dtype).removeprefix("torch."), model.attention.name)
+        workers[role] = Worker(plan.role, ModelRunner(model, pool), scrub=config.kv_scrub,
+                                sanitizer=config.kv_sanitizer)
     return Workers(workers["prefill"], workers.get("decode"), dtype, context)

@@ -15,7 +15,9 @@ import msgspec
 import torch
 
 from kvfence.engine.kv_pool import SCRUB_MODES, KVPool
-from kvfence.engine.runner import ModelRunner, SeqWork
+from kvfence.engine.kv_sanitizer import KvSanitizer
+from kvfence.engine.runner import ModelRunner, SeqWork, StepResult
+from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import (
     OwnerMismatch, RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, id_from_hex, id_hex,
 )
@@ -24,14 +26,30 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison") -> None:
-        """`scrub`: what released pages are filled with (see KVPool.clear)."""
+    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison", sanitizer: bool = False) -> None:
+        """`scrub`: what released pages are filled with (see KVPool.clear). `sanitizer`: keep a
+        shadow ledger of every slot's writer and take out any sequence that would read a slot its
+        lease did not write (kv_sanitizer.py)."""
         if scrub not in SCRUB_MODES:
             raise ValueError(f"--kv-scrub must be one of {', '.join(SCRUB_MODES)}, got {scrub!r}")
         self.role = role
         self.runner = runner
         self.scrub = scrub
         self.device = runner.pool.device
+        pool = runner.pool
+        self.sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if sanitizer else None
+        self.incarnation = id_hex(mint_id())
+
+    def restart(self) -> None:
+        """Come back as a new incarnation with a blank pool, as a restarted worker process would:
+        every page untagged and poisoned, the sanitizer's ledger empty. Steps built for the old
+        incarnation are refused from now on (`execute`), so nothing is read across incarnations."""
+        every = list(range(self.pool.num_pages))
+        self.pool.clear(every, "poison")
+        if self.sanitizer is not None:
+            self.sanitizer.forget(every)
+        old, self.incarnation = self.incarnation, id_hex(mint_id())
+        log.warning("%s worker restarted: incarnation %s -> %s", self.role, old, self.incarnation)
 
     @property
     def pool(self) -> KVPool:
@@ -40,12 +58,16 @@ class Worker:
     def execute(self, request: WorkerRequest) -> WorkerReply:
         """Run one message to completion (called in the worker's thread)."""
         match request:
+            case RunStep() if request.incarnation and request.incarnation != self.incarnation:
+                return StepFailed(request.step_id, f"the {self.role} worker restarted (step for incarnation "
+                                  f"{request.incarnation}, worker is {self.incarnation})", self.incarnation,
+                                  stale_incarnation=True)
             case RunStep():
                 try:
                     return self._run_step(request)
                 except Exception as e:  # a failed step fails its requests, not the worker
                     log.exception("%s worker: step %d failed", self.role, request.step_id)
-                    return StepFailed(request.step_id, f"{type(e).__name__}: {e}")
+                    return StepFailed(request.step_id, f"{type(e).__name__}: {e}", self.incarnation)
         raise TypeError(f"unknown worker message {type(request).__name__}")
 
     def _run_step(self, cmd: RunStep) -> StepDone:
@@ -53,15 +75,42 @@ class Worker:
             self.pool.clear(cmd.released, self.scrub)
         for grant in cmd.grants:
             self.pool.assign(grant.pages, id_from_hex(grant.lease))
+        if self.sanitizer is not None:
+            if cmd.released:
+                self.sanitizer.forget(cmd.released)
+            for landing in cmd.landed:
+                self.sanitizer.record_write(id_from_hex(landing.lease), landing.pages, 0, landing.num_tokens)
         if not cmd.seqs:
-            return StepDone(cmd.step_id, [])
+            return StepDone(cmd.step_id, [], incarnation=self.incarnation)
         works = [SeqWork(s.token_ids, s.context_tokens, s.page_table, id_from_hex(s.lease),
                          s.sampling.params() if s.sampling is not None else None, s.output_index)
                  for s in cmd.seqs]
+        flagged = self._sanitize(works)
+        kept = [i for i in range(len(works)) if i not in {v.seq_index for v in flagged}]
         with torch.inference_mode():
-            result = self.runner.step(works)
-        return StepDone(cmd.step_id, result.tokens,
-                        [OwnerMismatch(v.work_index, v.page, id_hex(v.owner)) for v in result.violations])
+            result = self.runner.step([works[i] for i in kept]) if kept else StepResult([], None)
+        tokens: list[int | None] = [None] * len(works)
+        for i, token in zip(kept, result.tokens):
+            tokens[i] = token
+        owner = [OwnerMismatch(kept[v.work_index], v.page, id_hex(v.owner)) for v in result.violations]
+        if self.sanitizer is not None:
+            refused = {v.seq_index for v in owner}
+            for i in kept:
+                if i not in refused:
+                    w = works[i]
+                    self.sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))
+        return StepDone(cmd.step_id, tokens, flagged + owner, self.incarnation)
+
+    def _sanitize(self, works: list[SeqWork]) -> list[OwnerMismatch]:
+        if self.sanitizer is None:
+            return []
+        found = self.sanitizer.check_reads(works)
+        for v in found:
+            log.error("KV SANITIZER: %s worker: lease %s would read token %d (page %d slot %d), last written "
+                      "by %s", self.role, id_hex(v.lease), v.position, v.page, v.slot,
+                      f"lease {id_hex(v.writer)}" if v.writer else "nobody since the page was released")
+        return [OwnerMismatch(v.work_index, v.page, id_hex(v.writer), "sanitizer",
+                              f"token {v.position} (slot {v.slot})") for v in found]
 
 
 class WorkerChannel:
@@ -77,6 +126,10 @@ class WorkerChannel:
 
     def _serve(self, payload: bytes) -> bytes:
         return self._encoder.encode(self.worker.execute(self._request_decoder.decode(payload)))
+
+    async def restart(self) -> None:
+        """Restart the worker (a new incarnation, see Worker.restart), between steps."""
+        await anyio.to_thread.run_sync(self.worker.restart, limiter=self._limiter)
 
     async def call(self, request: WorkerRequest) -> WorkerReply:
         payload = self._encoder.encode(request)

@@ -26,33 +26,14 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, context_length_exceeded, overloaded
 from kvfence.scheduler.handle import OutputDelta, RequestHandle
 from kvfence.scheduler.ids import mint_id
-from kvfence.scheduler.messages import PageGrant, RunStep, SeqStep, StepDone, WorkerReply, id_hex
+from kvfence.scheduler.messages import Landing, PageGrant, SeqStep, StepDone, StepFailed, WorkerReply, id_hex
 from kvfence.scheduler.metrics import SchedulerMetrics
-from kvfence.scheduler.page_ledger import PageLedger
 from kvfence.scheduler.policy import decode_steps, prefill_chunks
 from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.transfer import TransferLink
+from kvfence.scheduler.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
-
-
-class _Pool:
-    """The scheduler's view of one worker: its ledger, channel, and page-tag changes not yet sent."""
-
-    def __init__(self, channel: WorkerChannel, num_pages: int) -> None:
-        self.channel = channel
-        self.ledger = PageLedger(num_pages)
-        self.grants: list[PageGrant] = []
-        self.released: list[int] = []
-
-    def release(self, lease: int) -> None:
-        if lease:
-            self.released.extend(self.ledger.release(lease))
-
-    def message(self, step_id: int, seqs: list[SeqStep]) -> RunStep:
-        msg = RunStep(step_id, seqs, self.grants, self.released)
-        self.grants, self.released = [], []
-        return msg
 
 
 class Scheduler:
@@ -63,8 +44,8 @@ class Scheduler:
             raise ValueError("disaggregated mode needs a decode worker and a transfer link; colocated needs neither")
         self.config = config
         self.tokenizer = tokenizer
-        self.prefill = _Pool(prefill, prefill_pages)
-        self.decode = _Pool(decode, decode_pages) if decode is not None else self.prefill
+        self.prefill = WorkerPool(prefill, prefill_pages)
+        self.decode = WorkerPool(decode, decode_pages) if decode is not None else self.prefill
         self.link = link
         self.metrics = metrics or SchedulerMetrics()
         self.queue: deque[Request] = deque()  # admitted, waiting for pages
@@ -172,7 +153,7 @@ class Scheduler:
             req.advance(State.PREFILLING)
             self.prefilling.append(req)
 
-    def _grant(self, pool: _Pool, lease: int, num_tokens: int) -> list[int]:
+    def _grant(self, pool: WorkerPool, lease: int, num_tokens: int) -> list[int]:
         pages = pool.ledger.reserve(lease, self.config.pages_for(num_tokens))
         if pages is None:  # _can_reserve said yes a moment ago, synchronously
             raise RuntimeError("ledger refused a reservation it had just allowed")
@@ -239,23 +220,66 @@ class Scheduler:
                 self._accept_token(req, token)
 
     def _settle(self, role: str, reqs: list[Request], seqs: list[SeqStep], reply: WorkerReply) -> StepDone | None:
-        """Fail the requests of a failed step, or those whose pages failed the owner-tag check.
+        """Fail the requests of a failed step, or those whose pages failed the owner-tag check, or
+        every request bound to a worker that turns out to have restarted.
 
         Returns the reply when the step ran (its other requests carry on), else None."""
+        pool = self.decode if role == "decode" else self.prefill
+        if self._observe(pool, reply):
+            return None
+        if isinstance(reply, StepFailed) and reply.stale_incarnation:  # built before the restart was seen
+            for req in reqs:
+                self._end(req, self._restart_error(pool))
+            return None
         if not isinstance(reply, StepDone):
             for req in reqs:
                 self._end(req, RequestError(500, "worker_error", f"the model step failed: {reply.message}"))
             return None
         for v in reply.violations:
             req, seq = reqs[v.seq_index], seqs[v.seq_index]
-            log.error("KV integrity violation on the %s worker: page %d belongs to lease %s, was to be read by "
-                      "lease %s (request %s); the request is failed closed", role, v.page, v.owner, seq.lease,
-                      req.request_id)
-            self.metrics.integrity_violation(role)
+            what = "belongs to" if v.check == "owner_tag" else f"{v.detail} was last written by"
+            log.error("KV integrity violation (%s) on the %s worker: page %d %s lease %s, was to be read by "
+                      "lease %s (request %s); the request is failed closed", v.check, role, v.page, what, v.owner,
+                      seq.lease, req.request_id)
+            self.metrics.integrity_violation(role, v.check)
             self._end(req, RequestError(500, "kv_integrity_error",
                                         "a KV page of this request failed its ownership check; the request was "
                                         "stopped before the step's token was sent"))
         return reply
+
+    # ---- worker incarnations ----
+
+    def _observe(self, pool: WorkerPool, reply: WorkerReply) -> bool:
+        """True when `reply` shows `pool`'s worker restarted; every request bound to the old
+        incarnation has then been failed (503) or, mid-transfer, is failed when the transfer is quiet."""
+        if not pool.restarted(reply):
+            return False
+        error = self._restart_error(pool)
+        bound = [r for r in [*self.prefilling, *self.transferring, *self.decoding]
+                 if (pool is self.prefill and r.prefill_lease) or (pool is self.decode and r.decode_lease)]
+        log.warning("the %s worker restarted (now incarnation %s): %d requests bound to the old one fail with 503",
+                    pool.role, pool.incarnation, len(bound))
+        self.metrics.worker_restart(pool.role)
+        for req in bound:
+            if req in self.transferring:  # its pages are released when the transport is quiet
+                req.abort_requested, req.abort_error = True, error
+            else:
+                self._end(req, error)
+        return True
+
+    @staticmethod
+    def _restart_error(pool: WorkerPool) -> RequestError:
+        return RequestError(503, "worker_restarted", f"the {pool.role} worker restarted while serving this "
+                            "request; retry it", error_type="service_unavailable", retry_after_s=1)
+
+    async def _heartbeat(self) -> None:
+        """Ask every worker for its incarnation once per heartbeat, so a restart is seen (and its
+        requests failed) within about a second even when no step runs."""
+        pools = [self.prefill] if self.decode is self.prefill else [self.prefill, self.decode]
+        while True:
+            await anyio.sleep(self.config.heartbeat_s)
+            for pool in pools:
+                self._observe(pool, await pool.channel.call(pool.message(self._next_step_id(), [])))
 
     # ---- loops ----
 
@@ -279,6 +303,7 @@ class Scheduler:
         """Start the worker loops in `task_group` (they run until it is cancelled)."""
         self._task_group = task_group
         task_group.start_soon(self._expire_queued, name="queue-deadlines")
+        task_group.start_soon(self._heartbeat, name="worker-heartbeat")
         if self.config.disaggregated:
             task_group.start_soon(self._prefill_loop, name="prefill-loop")
             task_group.start_soon(self._decode_loop, name="decode-loop")
@@ -347,6 +372,7 @@ class Scheduler:
                     self.prefilling.remove(req)
                     req.advance(State.TRANSFERRING)
                     req.pending_token = token
+                    req.prefill_done_s = time.monotonic()
                     self.transferring.add(req)
                     self._task_group.start_soon(self._transfer, req, name=f"transfer-{req.request_id[:8]}")
 
@@ -366,16 +392,17 @@ class Scheduler:
         if self.link is None:
             raise RuntimeError("a transfer needs a transfer link")
         # Tag the destination pages before any byte can land in them.
-        await self.decode.channel.call(self.decode.message(self._next_step_id(), []))
+        self._observe(self.decode, await self.decode.channel.call(self.decode.message(self._next_step_id(), [])))
         result = await self.link.move(len(req.prompt), req.prefill_pages, req.decode_pages, req.decode_lease,
                                       timeout_s=self.config.transfer_timeout_s)
         self.transferring.discard(req)
-        self.metrics.transfer(result.ok, result.nbytes)
+        self.metrics.transfer(result.ok, result.nbytes, time.monotonic() - req.prefill_done_s)
         # push() has returned: the source pages are quiet whatever the outcome.
         self.prefill.release(req.prefill_lease)
         req.prefill_lease = 0
         if req.abort_requested:
-            self._end(req, RequestError(499, "client_closed", "the client closed the request"), aborted=True)
+            self._end(req, req.abort_error or RequestError(499, "client_closed", "the client closed the request"),
+                      aborted=req.abort_error is None)
             return
         if not result.quiet:  # a write may still land: the destination pages stay out of the free list
             self.decode.ledger.quarantine(req.decode_lease)
@@ -384,6 +411,7 @@ class Scheduler:
             log.warning("request %s: KV transfer failed (%s)", req.request_id, result.reason)
             self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"))
             return
+        self.decode.landed.append(Landing(id_hex(req.decode_lease), req.decode_pages, len(req.prompt)))
         req.advance(State.DECODING)
         req.decoded_context = len(req.prompt)
         self.decoding.append(req)

@@ -49,32 +49,52 @@ class PageGrant(msgspec.Struct, frozen=True):
     pages: list[int]
 
 
+class Landing(msgspec.Struct, frozen=True):
+    """A verified transfer wrote token positions [0, num_tokens) of `lease` through `pages`."""
+
+    lease: str
+    pages: list[int]
+    num_tokens: int
+
+
 class RunStep(msgspec.Struct, frozen=True, tag="run_step"):
-    """Tag `grants` with their leases, untag `released`, then run one forward over `seqs`."""
+    """Untag `released`, tag `grants` with their leases, note `landed` transfers, then run one
+    forward over `seqs`."""
 
     step_id: int
     seqs: list[SeqStep]
     grants: list[PageGrant] = []
     released: list[int] = []
+    landed: list[Landing] = []
+    # The worker incarnation this step was built for; a worker that is another incarnation refuses
+    # the whole message before applying any of it. "" (not known yet): no check.
+    incarnation: str = ""
 
 
 class OwnerMismatch(msgspec.Struct, frozen=True):
-    """A seq was taken out of a step: one of its pages carries another lease's tag."""
+    """A seq was taken out of a step before anything was read: one of its pages carries another
+    lease's tag (`check="owner_tag"`), or, with the KV sanitizer on, a slot it would read was last
+    written by another lease or by nobody (`check="sanitizer"`, `detail` says which slot)."""
 
     seq_index: int
     page: int
-    owner: str  # the lease the page belongs to (32 hex digits; all zeros = free)
+    owner: str  # the lease the page (owner_tag) or slot (sanitizer) belongs to; all zeros = nobody
+    check: str = "owner_tag"
+    detail: str = ""
 
 
 class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     step_id: int
     tokens: list[int | None]  # sampled token per seq, in order; None for a seq that did not run
     violations: list[OwnerMismatch] = []
+    incarnation: str = ""  # the worker's current incarnation
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
     step_id: int
     message: str
+    incarnation: str = ""  # the worker's current incarnation
+    stale_incarnation: bool = False  # refused unapplied: the step was built for an earlier incarnation
 
 
 WorkerRequest = RunStep

@@ -31,16 +31,25 @@ class SchedulerMetrics:
         self.running = Gauge("kvfence_requests_running", "Requests holding pages", registry=r)
         self.transfers = Counter("kvfence_kv_transfers", "KV transfers by result", ["result"], registry=r)
         self.transfer_bytes = Counter("kvfence_kv_transfer_bytes", "Bytes of KV moved", registry=r)
-        self.integrity_violations = Counter("kvfence_kv_integrity_violations", "Reads refused by the owner-tag check",
-                                            ["role"], registry=r)
+        self.handoff = Histogram("kvfence_kv_handoff_seconds",
+                                 "Prefill done (first token sampled) to KV landed and verified in the decode pool",
+                                 buckets=(0.001, 0.0025, *_LATENCY_BUCKETS_S), registry=r)
+        self.integrity_violations = Counter(
+            "kvfence_kv_integrity_violations", "Reads refused by the owner-tag check or the KV sanitizer",
+            ["role", "check"], registry=r)
+        self.worker_restarts = Counter("kvfence_worker_restarts", "Worker restarts seen (new incarnations)",
+                                       ["role"], registry=r)
         self.rejections = Counter("kvfence_admission_rejections", "Requests refused at admission",
                                   ["reason"], registry=r)
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
 
-    def integrity_violation(self, role: str) -> None:
-        self.integrity_violations.labels(role).inc()
+    def integrity_violation(self, role: str, check: str = "owner_tag") -> None:
+        self.integrity_violations.labels(role, check).inc()
+
+    def worker_restart(self, role: str) -> None:
+        self.worker_restarts.labels(role).inc()
 
     def queue_sizes(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)
@@ -61,10 +70,12 @@ class SchedulerMetrics:
         self.prompt_tokens.inc(len(req.prompt))
         self.e2e.observe(time.monotonic() - req.created_s)
 
-    def transfer(self, ok: bool, nbytes: int) -> None:
+    def transfer(self, ok: bool, nbytes: int, handoff_s: float) -> None:
+        """One transfer ended; `handoff_s`: from its prefill's end until now."""
         self.transfers.labels("ok" if ok else "failed").inc()
         if ok:
             self.transfer_bytes.inc(nbytes)
+            self.handoff.observe(handoff_s)
 
     def pool(self, role: str, total: int, used: int, quarantined: int = 0) -> None:
         self.pages.labels(role, "total").set(total)

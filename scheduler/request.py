@@ -64,7 +64,9 @@ class Request:
     prefilled: int = 0  # prompt tokens whose K/V are in the prefill (or colocated) pool
     decoded_context: int = 0  # tokens whose K/V are in the decode pool
     pending_token: int | None = None  # sampled by prefill, emitted once the KV has landed
+    prefill_done_s: float = 0.0  # monotonic time the prefill sampled the first token (disaggregated)
     abort_requested: bool = False
+    abort_error: RequestError | None = None  # why the server aborted it (None: the client went away)
     created_s: float = dataclasses.field(default_factory=time.monotonic)
     first_token_s: float | None = None
     last_token_s: float | None = None

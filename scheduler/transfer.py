@@ -66,13 +66,18 @@ class TransferLink:
         return MoveResult(True, nbytes=num_pages * self.page_nbytes)
 
     async def _cancel(self, transfer_id: str) -> bool:
-        """Cancel on both ends; True only when the receiver acknowledged that no write can land."""
-        try:
-            await self.sender.cancel(transfer_id)
-        except Exception as e:
-            log.warning("transfer %s: sender cancel failed: %r", transfer_id, e)
-        try:
-            return await self.receiver.cancel(transfer_id)
-        except Exception as e:
-            log.warning("transfer %s: receiver cancel not acknowledged: %r", transfer_id, e)
-            return False
+        """Cancel on both ends; True only when both acknowledged: the receiver that it writes
+        nothing more, and the sender that nothing it posted can still land (a one-sided WRITE
+        is the sender's, and the receiver cannot stop it)."""
+        acks = []
+        for side, endpoint in (("sender", self.sender), ("receiver", self.receiver)):
+            try:
+                acks.append(await endpoint.cancel(transfer_id))
+            except Exception as e:
+                log.warning("transfer %s: %s cancel failed: %r", transfer_id, side, e)
+                acks.append(False)
+        if not all(acks):
+            log.warning("transfer %s: cancellation not acknowledged by the %s; its destination pages stay "
+                        "quarantined", transfer_id, " and ".join(s for s, ok in zip(("sender", "receiver"), acks)
+                                                                  if not ok))
+        return all(acks)

@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Load generator for any OpenAI-compatible server: TTFT, inter-token latency, output tokens/s.
 
+Also reports, for kvfence servers, the mean KV hand-off per level (prefill done -> KV landed in
+the decode pool, from /metrics' kvfence_kv_handoff_seconds).
+
 Sends streaming /v1/completions requests with `ignore_eos` so every request produces exactly
 --output-tokens tokens. Either a fixed number of requests in flight (--concurrency, a list runs
 each level in turn) or an open-loop Poisson arrival rate (--request-rate, requests/s).
@@ -53,10 +56,26 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, rng: 
             "chunks": len(stamps)}
 
 
+async def handoff_totals(client: httpx.AsyncClient) -> tuple[float, float]:
+    """(sum of seconds, count) of kvfence_kv_handoff_seconds (prefill done -> KV landed in the
+    decode pool) from /metrics; (0, 0) for servers without it (colocated, or not kvfence)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("kvfence_kv_handoff_seconds_sum", "kvfence_kv_handoff_seconds_count"):
+            found[name.rsplit("_", 1)[1]] = float(value)
+    return found.get("sum", 0.0), found.get("count", 0.0)
+
+
 async def run_level(args: argparse.Namespace, concurrency: int | None, rate: float | None) -> dict:
     rng = random.Random(0)
     limits = httpx.Limits(max_connections=(concurrency or 256) + 4)
     async with httpx.AsyncClient(base_url=args.url, timeout=600, limits=limits) as client:
+        handoff_before = await handoff_totals(client)
         results: list[dict] = []
         start = time.perf_counter()
         if concurrency is not None:
@@ -75,6 +94,8 @@ async def run_level(args: argparse.Namespace, concurrency: int | None, rate: flo
                 await asyncio.sleep(rng.expovariate(rate))  # type: ignore[arg-type]
             results = list(await asyncio.gather(*tasks))
         wall = time.perf_counter() - start
+        handoff_after = await handoff_totals(client)
+    transfers = handoff_after[1] - handoff_before[1]
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
     itl = [x for r in ok for x in r["itl"]]
@@ -82,6 +103,7 @@ async def run_level(args: argparse.Namespace, concurrency: int | None, rate: flo
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
             "output_tok_s": len(ok) * args.output_tokens / wall,
+            "handoff_mean_s": (handoff_after[0] - handoff_before[0]) / transfers if transfers else float("nan"),
             "mean_latency_s": statistics.fmean(r["latency"] for r in ok) if ok else float("nan")}
 
 
@@ -98,12 +120,14 @@ def main() -> None:
     levels = [(None, args.request_rate)] if args.request_rate else \
         [(int(c), None) for c in args.concurrency.split(",")]
     print(f"{args.url}  prompt≈{args.prompt_tokens}  output={args.output_tokens}  requests/level={args.requests}")
-    print(f"{'level':>10}{'ok':>5}{'err':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}{'out tok/s':>11}")
+    print(f"{'level':>10}{'ok':>5}{'err':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}"
+          f"{'out tok/s':>11}{'handoff ms':>12}")
     for concurrency, rate in levels:
         r = asyncio.run(run_level(args, concurrency, rate))
         label = f"c={concurrency}" if concurrency else f"{rate}/s"
         print(f"{label:>10}{r['ok']:>5}{r['errors']:>5}{r['ttft_p50']:>10.3f}{r['ttft_p99']:>10.3f}"
-              f"{r['itl_p50'] * 1000:>9.1f}m{r['itl_p99'] * 1000:>9.1f}m{r['output_tok_s']:>11.1f}", flush=True)
+              f"{r['itl_p50'] * 1000:>9.1f}m{r['itl_p99'] * 1000:>9.1f}m{r['output_tok_s']:>11.1f}"
+              f"{r['handoff_mean_s'] * 1000:>12.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfence.app.cli", "serve", "--model", str(model), "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            stdout=self._log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", KVFENCE_KV_SANITIZER="true"))  # sanitizer on in tests
 
     def wait_ready(self, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s

@@ -21,11 +21,18 @@ COMMON = ("--canary-interval", "3600", "--max-context", "2048", "--prefill-num-p
           "--decode-num-pages", "512", "--chunk-tokens", "256")
 
 
-@pytest.fixture(scope="module", params=["on", "off"], ids=["disaggregated", "colocated"])
+# Disaggregated over every transport (each passes the same references, equivalence and page
+# baselines), and colocated, the baseline the disaggregated outputs must equal.
+MODES = {"tcp": ("--transport", "tcp"), "nixl": ("--transport", "nixl"), "mooncake": ("--transport", "mooncake"),
+         "colocated": ("--disaggregation", "off")}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
 def server(request: pytest.FixtureRequest, default_model_path: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(default_model_path, "--disaggregation", request.param, *COMMON,
+    srv = ServerProcess(default_model_path, *MODES[request.param], *COMMON,
                         log_path=tmp_path_factory.mktemp("server") / "server.log")
+    srv.mode = request.param  # type: ignore[attr-defined]
     try:
         srv.wait_ready()
         yield srv
@@ -96,7 +103,16 @@ def test_async_chat_stream_equals_non_stream(server: ServerProcess, reference: d
     wait_baseline(server)
 
 
-def test_sixteen_concurrent_streams_equal_solo(server: ServerProcess, reference: dict) -> None:
+@pytest.fixture(scope="module")
+def solo_outputs() -> dict[str, list[str]]:
+    """Solo outputs of the first mode that ran, shared by the others: greedy fp32 output is the
+    same in every mode, so each mode's concurrent streams must equal them (and the solo runs, the
+    slow part, happen once)."""
+    return {}
+
+
+def test_sixteen_concurrent_streams_equal_solo(server: ServerProcess, reference: dict,
+                                               solo_outputs: dict[str, list[str]]) -> None:
     prompts = [(c["messages"] if c["kind"] == "chat" else c["prompt"], 8 + 3 * i)
                for i, c in enumerate(reference["cases"] * 2)]
 
@@ -114,9 +130,10 @@ def test_sixteen_concurrent_streams_equal_solo(server: ServerProcess, reference:
 
     async def run() -> tuple[list[str], list[str]]:
         async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused") as c:
-            solo = [await one(c, p, n) for p, n in prompts]
+            if "solo" not in solo_outputs:
+                solo_outputs["solo"] = [await one(c, p, n) for p, n in prompts]
             together = await asyncio.gather(*(one(c, p, n) for p, n in prompts))
-            return solo, list(together)
+            return solo_outputs["solo"], list(together)
 
     solo, together = asyncio.run(run())
     assert len(prompts) == 16 and together == solo
@@ -159,6 +176,19 @@ def test_malformed_json_is_400(server: ServerProcess) -> None:
     r = httpx.post(server.base_url + "/v1/chat/completions", content=b"{not json", timeout=10,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
+
+
+def test_the_kv_moved_through_the_chosen_transport(server: ServerProcess, client: openai.OpenAI) -> None:
+    mode = server.mode  # type: ignore[attr-defined]
+    before = server.metric("kvfence_kv_transfers_total", result="ok") if mode != "colocated" else 0.0
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+    if mode == "colocated":
+        assert "paired prefill -> decode" not in server.log()
+        return
+    assert f"paired prefill -> decode over {mode}" in server.log()
+    assert server.metric("kvfence_kv_transfers_total", result="ok") == before + 1
+    assert server.metric("kvfence_kv_handoff_seconds_count") >= 1
 
 
 def test_models_health_ready(server: ServerProcess) -> None:

@@ -39,8 +39,11 @@ async def run(handle: RequestHandle, abort_after: int | None = None) -> tuple[st
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("faults", ["", "corrupt#4", "drop#3,delay=0.05#2"])
-async def test_b_never_sees_a_canary(smollm2: Checkpoint, faults: str) -> None:
+@pytest.mark.parametrize(("transport", "faults"), [
+    ("tcp", ""), ("tcp", "corrupt#4"), ("tcp", "drop#3,delay=0.05#2"),
+    ("nixl", "corrupt#4"), ("mooncake", "drop#3,delay=0.05#2"),
+])
+async def test_b_never_sees_a_canary(smollm2: Checkpoint, transport: str, faults: str) -> None:
     tok = smollm2.tokenizer
     rng = random.Random(7)  # fixed canaries: the test is deterministic
     canaries = [f"KVF{rng.getrandbits(32):08X}" for _ in range(3)]
@@ -48,13 +51,13 @@ async def test_b_never_sees_a_canary(smollm2: Checkpoint, faults: str) -> None:
     config = SchedulerConfig(page_size_tokens=16, max_context_tokens=CONTEXT, max_running=8, max_queue=16,
                              chunk_tokens=128, disaggregated=True, transfer_timeout_s=2)
     async with anyio.create_task_group() as tg:
-        solo_serving = await start_serving(tg, smollm2, "tcp", config, num_pages=160)
+        solo_serving = await start_serving(tg, smollm2, transport, config, num_pages=160)
         solo = [await run(solo_serving.scheduler.submit(p, GREEDY)) for p in a_prompts]
         assert all(reason == "length" for _, reason, _ in solo)
         assert all(c in text for c, (text, _, _) in zip(canaries, solo))  # the model echoes them
         await solo_serving.aclose()
 
-        serving = await start_serving(tg, smollm2, "tcp", config, num_pages=160, faults=faults)
+        serving = await start_serving(tg, smollm2, transport, config, num_pages=160, faults=faults)
         s = serving.scheduler
         with pytest.raises(AdmissionRejected):  # over-long: refused before anything exists
             s.submit(chat(tok, "tell me " * 400), GREEDY)

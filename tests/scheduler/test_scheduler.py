@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import anyio
 import pytest
@@ -189,7 +188,7 @@ async def test_foreign_page_tag_fails_only_that_request(harness: Harness, tiny: 
     if pool == "prefill" or not s.config.disaggregated:
         assert ids == [] and text == ""  # failed before its first token
     assert s.metrics.integrity_violations.labels(
-        "colocated" if not s.config.disaggregated else pool)._value.get() == 1
+        "colocated" if not s.config.disaggregated else pool, "owner_tag")._value.get() == 1
     await wait_idle(harness)
 
 
@@ -210,6 +209,34 @@ async def test_queued_request_ends_at_its_deadline(tiny: Checkpoint) -> None:
         assert reason is None and error == "overloaded"
         running.abort()
         await collect(running)
+        with anyio.fail_after(10):
+            while s.in_flight():
+                await anyio.sleep(0.01)
+        assert s.pages_in_use() == {"colocated": 0}
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_client_gone_while_queued(tiny: Checkpoint) -> None:
+    """FAILURES 11, the queued point (prefilling, transferring and decoding are covered above and in
+    test_transfer_failures): the queued request ends at once as client_closed, nothing was
+    reserved for it, the running one is undisturbed."""
+    config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, max_running=1, max_queue=4,
+                             chunk_tokens=16, disaggregated=False)
+    async with anyio.create_task_group() as tg:
+        serving = await start_serving(tg, tiny, "colocated", config, num_pages=64)
+        s = serving.scheduler
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        want = offline_greedy(tiny, [[5, 6, 7]], 12)[0][0]
+        running = s.submit([5, 6, 7], params)
+        queued = s.submit([8, 9], params)
+        held = s.pages_in_use()["colocated"]
+        queued.abort()
+        with anyio.fail_after(5):
+            ids, _, reason, error = await collect(queued)
+        assert (ids, reason, error) == ([], None, "client_closed")
+        assert s.pages_in_use()["colocated"] == held  # it never held any
+        assert (await collect(running))[0] == want
         with anyio.fail_after(10):
             while s.in_flight():
                 await anyio.sleep(0.01)
@@ -242,3 +269,35 @@ async def test_the_incident_prompt_over_the_prefill_pool_is_refused_at_admission
         await wait_idle(Harness(s, serving.workers))
         await serving.aclose()
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed(
+        harness: Harness, tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer recorded as landing one token fewer than the decode then reads (a short transfer
+    the transport did not notice, simulated at the record): pages and tags are the request's own, so
+    only the KV sanitizer can see it. The request fails closed before its first decode; the next one
+    is served exactly."""
+    s = harness.scheduler
+    if not s.config.disaggregated:
+        pytest.skip("colocated requests have no transfer")
+    from kvfence.scheduler import core
+    from kvfence.scheduler.messages import Landing
+
+    short = [True]
+
+    def landing(lease: str, pages: list[int], num_tokens: int) -> Landing:
+        return Landing(lease, pages, num_tokens - 1 if short[0] else num_tokens)
+
+    monkeypatch.setattr(core, "Landing", landing)
+    ps = prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids, _, reason, error = await collect(s.submit(ps[0], params))
+    assert error == "kv_integrity_error" and reason is None
+    assert len(ids) <= 1  # at most the prefill's token; nothing decoded from the unlanded slot
+    assert s.metrics.integrity_violations.labels("decode", "sanitizer")._value.get() == 1
+    await wait_idle(harness)
+    short[0] = False
+    ids, _, reason, error = await collect(s.submit(ps[1], params))
+    assert (ids, reason, error) == (offline_greedy(tiny, [ps[1]], 6)[0][0], "length", None)
+    await wait_idle(harness)

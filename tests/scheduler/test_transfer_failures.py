@@ -5,7 +5,6 @@ to their baseline."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 
 import anyio
 import pytest
@@ -34,9 +33,10 @@ def transport(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-async def serve(tg: anyio.abc.TaskGroup, tiny: Checkpoint, transport: str, faults: str) -> Serving:
+async def serve(tg: anyio.abc.TaskGroup, tiny: Checkpoint, transport: str, faults: str,
+                transfer_timeout_s: float = 0.5) -> Serving:
     config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, chunk_tokens=16, disaggregated=True,
-                             transfer_timeout_s=0.5)
+                             transfer_timeout_s=transfer_timeout_s)
     return await start_serving(tg, tiny, transport, config, num_pages=64, faults=faults)
 
 
@@ -80,6 +80,72 @@ async def test_client_gone_during_a_slow_transfer(tiny: Checkpoint, transport: s
         handle.abort()
         ids, reason, error = await outcome(handle)
         assert reason is None and error == "client_closed" and ids == []
+        await idle(s)
+        await s.aclose()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_an_unacknowledged_cancel_keeps_the_pages_quarantined(tiny: Checkpoint, transport: str) -> None:
+    """FAILURES 6 and 8: the transfer times out and its cancellation is never acknowledged (a write
+    may still land): the request fails, its decode pages stay quarantined and reported, and later
+    requests never get them."""
+    async with anyio.create_task_group() as tg:
+        s = await serve(tg, tiny, transport, "stuck#2")
+        want, _, _ = await outcome(s.scheduler.submit(PROMPT, GREEDY))
+        await idle(s)
+        with anyio.fail_after(10):
+            ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
+        assert (ids, reason, error) == ([], None, "kv_transfer_failed")
+        decode = s.scheduler.decode.ledger
+        stuck = decode.num_quarantined
+        assert stuck == 4  # pages for 9 + 6 tokens at 4 per page
+        assert s.scheduler.pages_in_use() == {"prefill": 0, "decode": stuck}
+        s.scheduler.refresh_metrics()
+        text = s.scheduler.metrics.render()[0].decode()
+        assert f'kvfence_kv_pages{{role="decode",state="quarantined"}} {float(stuck)}' in text
+        # the next request (the third push; the fourth would be stuck again) is served exactly, on
+        # other pages
+        assert (await outcome(s.scheduler.submit(PROMPT, GREEDY))) == (want, "length", None)
+        assert decode.num_quarantined == stuck
+        await s.aclose()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", ["fail_post", "vanish"])
+async def test_a_prefill_side_failure_reaches_the_client_at_once(tiny: Checkpoint, transport: str,
+                                                                 fault: str) -> None:
+    """FAILURES 10: the sending side gives up; the decode side learns at once (not at the 30 s
+    transfer timeout), the client gets an error, and the pages come back once quiet."""
+    async with anyio.create_task_group() as tg:
+        s = await serve(tg, tiny, transport, f"{fault}#1", transfer_timeout_s=30)
+        with anyio.fail_after(3):
+            ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
+        assert (ids, reason, error) == ([], None, "kv_transfer_failed")
+        await idle(s)
+        await s.aclose()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_source_pages_stay_reserved_while_the_transfer_reads_them(tiny: Checkpoint, transport: str) -> None:
+    """FAILURES 9: while a push is in flight its prefill pages stay with its lease; a request
+    admitted meanwhile gets other pages; they are released once the push returned."""
+    async with anyio.create_task_group() as tg:
+        s = await serve(tg, tiny, transport, "delay=0.3#1")
+        first = s.scheduler.submit(PROMPT, GREEDY)
+        with anyio.fail_after(5):
+            while not s.scheduler.transferring:
+                await anyio.sleep(0.005)
+        (req,) = s.scheduler.transferring
+        ledger = s.scheduler.prefill.ledger
+        reading = ledger.pages(req.prefill_lease)
+        assert reading and set(reading) == set(req.prefill_pages[:len(reading)])
+        second = s.scheduler.submit(PROMPT[::-1], GREEDY)
+        others = [r for r in s.scheduler.prefilling if r is not req]
+        assert others and not set(others[0].prefill_pages) & set(reading)
+        assert (await outcome(first))[1] == "length" and (await outcome(second))[1] == "length"
         await idle(s)
         await s.aclose()
         tg.cancel_scope.cancel()
