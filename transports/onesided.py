@@ -49,8 +49,8 @@ from kvfence.transports.onesided_link import Link
 from kvfence.transports.onesided_receive import ReceiverHalf, answer_hello
 from kvfence.transports.onesided_send import SenderHalf
 from kvfence.transports.onesided_wire import MAX_HELLO, Hello, HelloReply, recv_message, send_message
-from kvfence.transports.tcp import split_address
-from kvfence.transports.tcp_io import Channel, ConnectionGone, accept_forever, connect, listen
+from kvfence.transports.tcp import listen_endpoint, split_address
+from kvfence.transports.tcp_io import Channel, ConnectionGone, accept_forever, connect
 from kvfence.transports.tcp_wire import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -105,12 +105,7 @@ class OneSidedTransport(PoolEndpoint):
                 f"would be registered with the plane directly, which is not supported yet; use tcp")
         pool = self._register(memory, record)
         self._rx = ReceiverHalf(self._started()[1], self._kick)
-        try:
-            self._listener = listen(self.host, self.port)
-        except OSError as e:
-            raise TransportUnavailable(f"{self.name} transport cannot listen on {self.host}:{self.port}: {e}") from e
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        self._info = EndpointInfo(self.name, f"{host}:{self._listener.getsockname()[1]}", record)
+        self._listener, self._info = listen_endpoint(self.name, self.host, self.port, record)
         try:
             try:
                 self._descriptor = self.plane.open(pool.memory)

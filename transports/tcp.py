@@ -50,6 +50,17 @@ def split_address(address: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def listen_endpoint(name: str, host: str, port: int, record: PairingRecord) -> tuple[socket.socket, EndpointInfo]:
+    """A listening socket on host:port (0: ephemeral) and the EndpointInfo that names it.
+    TransportUnavailable when the address cannot be bound."""
+    try:
+        listener = listen(host, port)
+    except OSError as e:
+        raise TransportUnavailable(f"{name} transport cannot listen on {host}:{port}: {e}") from e
+    shown = f"[{host}]" if ":" in host else host
+    return listener, EndpointInfo(name, f"{shown}:{listener.getsockname()[1]}", record)
+
+
 class TcpTransport(PoolEndpoint):
     name: ClassVar[str] = "tcp"
 
@@ -68,13 +79,7 @@ class TcpTransport(PoolEndpoint):
     async def start(self, task_group: TaskGroup, memory: torch.Tensor, record: PairingRecord) -> EndpointInfo:
         """Register the pool, listen on host:port (0: ephemeral) and serve in `task_group`."""
         self._register(memory, record)
-        try:
-            self._listener = listen(self.host, self.port)
-        except OSError as e:
-            raise TransportUnavailable(f"tcp transport cannot listen on {self.host}:{self.port}: {e}") from e
-        port = self._listener.getsockname()[1]
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        self._info = EndpointInfo(self.name, f"{host}:{port}", record)
+        self._listener, self._info = listen_endpoint(self.name, self.host, self.port, record)
         try:
             await task_group.start(self._serve)
         except BaseException:
