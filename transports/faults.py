@@ -17,6 +17,9 @@ A plan is a comma-separated list of faults (the server reads it from `--fault-in
     vanish        close the wrapped transport, then push (it fails; the pair is gone for good)
     late_write    after the push returned its verdict, push the same transfer id again with one
                   byte of every page flipped, so a landing would show; it must be refused
+    reorder       hold the push until the next push through this wrapper has returned (at most
+                  REORDER_HOLD_S), so the receiver sees transfers complete out of order; each must
+                  still land exactly where it was expected
     stuck         the push never returns and this side never acknowledges its cancellation (as a
                   one-sided write that may still land): the server times out and must keep the
                   destination pages quarantined, never free
@@ -47,7 +50,9 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, Transfer
                                      Transport)
 from kvfence.transports.digest import page_digest
 
-FAULT_KINDS = ("drop", "delay", "corrupt", "truncate", "duplicate", "fail_post", "vanish", "late_write", "stuck")
+FAULT_KINDS = ("drop", "delay", "corrupt", "truncate", "duplicate", "fail_post", "vanish", "late_write", "stuck",
+               "reorder")
+REORDER_HOLD_S = 1.0  # how long a reordered push waits for a later one at most
 _SYNTAX = "NAME[=SECONDS][@PROBABILITY|#EVERY_NTH], comma-separated, e.g. 'corrupt@0.5,delay=0.2#3'"
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)(?:=(?P<value>[^@#]*))?(?:(?P<sel>[@#])(?P<arg>.*))?$")
 
@@ -162,6 +167,7 @@ class FaultInjectingTransport(Transport):
         self.injected: collections.Counter[str] = collections.Counter()  # fault kind -> times injected
         self.extra_results: list[TransferResult] = []  # verdicts of duplicate / late_write pushes
         self._stuck: set[str] = set()  # transfers whose cancellation this side never acknowledges
+        self._held: list[anyio.Event] = []  # reordered pushes waiting for a later push to return
         self.pushes = 0
         self._rng = random.Random(seed)
         self._pages: torch.Tensor | None = None  # the sender's pool as (num_pages, page_nbytes) uint8
@@ -206,6 +212,24 @@ class FaultInjectingTransport(Transport):
         if "fail_post" in faults:
             self.injected["fail_post"] += 1
             raise InjectedFault(f"injected fault: posting transfer {tid} failed")
+        if "reorder" in faults:
+            self.injected["reorder"] += 1
+            later = anyio.Event()
+            self._held.append(later)
+            with anyio.move_on_after(REORDER_HOLD_S):
+                await later.wait()
+        else:
+            try:
+                return await self._push(peer, manifest, src_pages, dst_pages, faults)
+            finally:  # this push went ahead of every push held before it
+                held, self._held = self._held, []
+                for event in held:
+                    event.set()
+        return await self._push(peer, manifest, src_pages, dst_pages, faults)
+
+    async def _push(self, peer: Peer, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int],
+                    faults: dict[str, FaultSpec]) -> TransferResult:
+        tid = manifest.transfer_id
         if "stuck" in faults:
             self.injected["stuck"] += 1
             self._stuck.add(tid)

@@ -305,6 +305,29 @@ async def test_stuck(kind: str) -> None:
 
 
 @pytest.mark.anyio
+async def test_reorder(kind: str) -> None:
+    """The second push is held until the third returned: the receiver completes them out of order,
+    and each lands exactly in its own pages."""
+    async with faulty_pair(kind, "reorder#2") as p:
+        _, first = await push(p, [0], [0])
+        assert first.ok
+        order: list[str] = []
+        results: dict[str, TransferResult] = {}
+
+        async def go(name: str, src: list[int], dst: list[int]) -> None:
+            results[name] = (await push(p, src, dst))[1]
+            order.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(go, "held", [1, 2], [5, 6])
+            await anyio.sleep(0.05)
+            tg.start_soon(go, "later", [3], [7])
+        assert order == ["later", "held"] and all(r.ok for r in results.values()), results
+        assert_pages_equal(p, [0, 1, 2, 3], [0, 5, 6, 7])
+        assert injected(p) == {"reorder": 1}
+
+
+@pytest.mark.anyio
 async def test_every_nth_push_through_the_wrapper(kind: str) -> None:
     async with faulty_pair(kind, "drop#2") as p:
         reasons = []

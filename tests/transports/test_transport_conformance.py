@@ -140,6 +140,18 @@ async def test_receiver_cancel_before_push_writes_nothing(kind: str) -> None:
         p.assert_untouched()
 
 
+async def test_cancel_after_a_completed_push_is_acknowledged_and_changes_nothing(kind: str) -> None:
+    async with paired(kind) as p:
+        manifest, result = await p.expect_and_push([4, 5, 6], [9, 1, 7])
+        assert result.ok
+        assert await p.tx.cancel(manifest.transfer_id) is True
+        assert await p.rx.cancel(manifest.transfer_id) is True
+        assert (await p.rx.completion(manifest.transfer_id)).ok  # the verdict stands
+        p.assert_landed([4, 5, 6], [9, 1, 7])
+        _, again = await p.expect_and_push([0], [0])  # and the pair goes on working
+        assert again.ok
+
+
 async def test_bad_arguments_raise(kind: str) -> None:
     async with paired(kind) as p:
         manifest = make_manifest(2)

@@ -21,6 +21,7 @@ through host memory on their own). Both endpoints are closed when the context ex
 from __future__ import annotations
 
 import importlib.util
+import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,7 +36,12 @@ from kvfence.transports.digest import page_digest
 from kvfence.transports.inprocess import InProcessHub
 from kvfence.transports.registry import create_transport
 
-KINDS = ["tcp", "inprocess", "tcp+staged", "inprocess+staged", "nixl", "mooncake"]
+# A third-party transport runs the same suites on itself: install it (entry point group
+# `kvfence.transports`) and name it in KVFENCE_CONFORMANCE_TRANSPORTS (comma-separated), e.g.
+#   KVFENCE_CONFORMANCE_TRANSPORTS=mine .venv/bin/python -m pytest tests/transports -k mine
+# Its constructor is called without arguments.
+KINDS = ["tcp", "inprocess", "tcp+staged", "inprocess+staged", "nixl", "mooncake",
+         *[k.strip() for k in os.environ.get("KVFENCE_CONFORMANCE_TRANSPORTS", "").split(",") if k.strip()]]
 ONESIDED_PACKAGES = {"nixl": "nixl", "mooncake": "mooncake"}  # transport -> the module it needs
 STAGE_CHUNK_PAGES = 3  # not a divisor of the default 32 pages: the last chunk is partial
 ONESIDED_WRITE_CHUNK_PAGES = 5  # neither: the last write of a 32-page push is partial
