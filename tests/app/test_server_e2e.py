@@ -113,7 +113,7 @@ def solo_outputs() -> dict[str, list[str]]:
 
 def test_sixteen_concurrent_streams_equal_solo(server: ServerProcess, reference: dict,
                                                solo_outputs: dict[str, list[str]]) -> None:
-    prompts = [(c["messages"] if c["kind"] == "chat" else c["prompt"], 8 + 3 * i)
+    prompts = [(c["messages"] if c["kind"] == "chat" else c["prompt"], 4 + 2 * i)
                for i, c in enumerate(reference["cases"] * 2)]
 
     async def one(c: openai.AsyncOpenAI, prompt: object, n: int) -> str:
