@@ -53,3 +53,16 @@ def lookup_pages(table_row_ptr, tags_ptr, num_pages, lease_hi, lease_lo, tok, va
         wrong = first & ((tag_hi != lease_hi) | (tag_lo != lease_lo))
         bad = bad | (tl.max(wrong.to(tl.int32), axis=0) != 0)
     return page, readable, bad
+
+
+@triton.jit
+def load_kv_block(k_ptr, v_ptr, page, readable, tok, offs_d, d_mask, kv_head, stride_kp, stride_kh, stride_ks,
+                  PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """K and V tiles [BLOCK_N, BLOCK_D] of one KV head for a block of key positions, read in place
+    from the pool through `page` (from `lookup_pages`); positions that are not `readable` load 0."""
+    kv_off = (page[:, None] * stride_kp + kv_head * stride_kh
+              + (tok % PAGE_SIZE)[:, None] * stride_ks + offs_d[None, :])  # [BLOCK_N, BLOCK_D]
+    kv_mask = readable[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    return k, v

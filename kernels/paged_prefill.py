@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kvfence.kernels._checks import check_cache, check_owner_args, check_tensor, next_pow2
-from kvfence.kernels._device import LAUNCH_OPTIONS, dot_config, lookup_pages
+from kvfence.kernels._device import LAUNCH_OPTIONS, dot_config, load_kv_block, lookup_pages
 
 
 @triton.jit
@@ -75,11 +75,8 @@ def _prefill_kernel(
         page, readable, bad_block = lookup_pages(table_row, tags_ptr, num_pages, lease_hi, lease_lo,
                                                  tok, valid, offs_n, PAGE_SIZE, CHECK_OWNER)
         bad = bad | bad_block
-        kv_off = (page[:, None] * stride_kp + kv_head * stride_kh
-                  + (tok % PAGE_SIZE)[:, None] * stride_ks + offs_d[None, :])  # [BLOCK_N, BLOCK_D]
-        kv_mask = readable[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        k, v = load_kv_block(k_ptr, v_ptr, page, readable, tok, offs_d, d_mask, kv_head, stride_kp, stride_kh,
+                             stride_ks, PAGE_SIZE, DOT_DTYPE)  # [BLOCK_N, BLOCK_D] each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid[None, :] & (tok[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: key 0 is visible to every row
