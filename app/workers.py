@@ -11,6 +11,7 @@ from kvfence.app.config import ServeConfig
 from kvfence.app.sizing import plan_pools, resolve_context
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.kv_sanitizer import KvSanitizer
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.loading import pick_device, pick_dtype
 from kvfence.engine.runner import ModelRunner
@@ -52,6 +53,6 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint) -> Workers:
         log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s, %s attention)",
                  plan.role, device, plan.num_pages, plan.page_size_tokens, pool.capacity_tokens,
                  plan.pool_bytes / 2**20, str(dtype).removeprefix("torch."), model.attention.name)
-        workers[role] = Worker(plan.role, ModelRunner(model, pool), scrub=config.kv_scrub,
-                                sanitizer=config.kv_sanitizer)
+        sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if config.kv_sanitizer else None
+        workers[role] = Worker(plan.role, ModelRunner(model, pool, sanitizer=sanitizer), scrub=config.kv_scrub)
     return Workers(workers["prefill"], workers.get("decode"), dtype, context)

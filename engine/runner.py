@@ -13,6 +13,7 @@ import torch
 
 from kvfence.engine.attention import build_attention_batch
 from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.kv_sanitizer import KvSanitizer, SlotViolation
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.owner_check import OwnerViolation, check_owner_tags
 from kvfence.engine.sampling import Sampler, SamplingParams
@@ -38,32 +39,41 @@ class SeqWork:
 class StepResult:
     tokens: list[int | None]  # sampled token per SeqWork, in the caller's order (None if not run)
     logits: torch.Tensor | None  # [num sampled, vocab] float32 when asked for, in the same order
-    violations: list[OwnerViolation] = dataclasses.field(default_factory=list)  # works taken out
+    violations: list[OwnerViolation | SlotViolation] = dataclasses.field(default_factory=list)  # works taken out
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, sampler: Sampler | None = None, *,
-                 owner_check: bool = True) -> None:
-        """`owner_check=False` exists only so benchmarks can measure the check's cost."""
+                 owner_check: bool = True, sanitizer: KvSanitizer | None = None) -> None:
+        """`owner_check=False` exists only so benchmarks can measure the check's cost. `sanitizer`:
+        also check every slot a step reads against the lease that last wrote it, and record the
+        step's writes (kv_sanitizer.py)."""
         if pool.config != model.config:
             raise ValueError("the KV pool was built for a different model config")
         self.model = model
         self.pool = pool
         self.sampler = sampler or Sampler()
         self.owner_check = owner_check
+        self.sanitizer = sanitizer
 
     def step(self, works: list[SeqWork], return_logits: bool = False) -> StepResult:
         """Run one forward over `works` (decodes are batched together; prefill chunks follow).
 
-        Every page a work touches must carry its lease (owner_check); a work that fails the check
-        is left out of the forward, gets no token, and is reported in `violations`."""
+        Every page a work touches must carry its lease (owner_check), and with a sanitizer every
+        slot it reads must have been written by that lease; a work that fails either check is left
+        out of the forward, gets no token, and is reported in `violations` (the first failure only)."""
         page_size = self.pool.page_size_tokens
         for w in works:
             needed = -(-(w.context_tokens + len(w.token_ids)) // page_size)
             if not w.token_ids or len(w.page_table) < needed:
                 raise ValueError(f"sequence step needs {needed} pages and at least one token, "
                                  f"got {len(w.page_table)} pages and {len(w.token_ids)} tokens")
-        violations = check_owner_tags(self.pool, works) if self.owner_check else []
+        violations: list[OwnerViolation | SlotViolation] = []
+        if self.owner_check:
+            violations += check_owner_tags(self.pool, works)
+        if self.sanitizer is not None:
+            refused = {v.work_index for v in violations}
+            violations += [v for v in self.sanitizer.check_reads(works) if v.work_index not in refused]
         if violations:
             excluded = {v.work_index for v in violations}
             kept = [i for i in range(len(works)) if i not in excluded]
@@ -96,6 +106,9 @@ class ModelRunner:
         tokens = [None] * len(works)
         logits = self.model.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
                                     batch, self.pool, torch.tensor(score_rows, dtype=torch.int64, device=device))
+        if self.sanitizer is not None:  # the forward stored every work's new K/V
+            for w in works:
+                self.sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))
         if not scored:
             return StepResult(tokens, None)
         params = [works[i].sampling for i in scored]

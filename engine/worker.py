@@ -15,8 +15,9 @@ import msgspec
 import torch
 
 from kvfence.engine.kv_pool import SCRUB_MODES, KVPool
-from kvfence.engine.kv_sanitizer import KvSanitizer
-from kvfence.engine.runner import ModelRunner, SeqWork, StepResult
+from kvfence.engine.kv_sanitizer import SlotViolation
+from kvfence.engine.owner_check import OwnerViolation
+from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import (
     OwnerMismatch, RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, id_from_hex, id_hex,
@@ -26,18 +27,16 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison", sanitizer: bool = False) -> None:
-        """`scrub`: what released pages are filled with (see KVPool.clear). `sanitizer`: keep a
-        shadow ledger of every slot's writer and take out any sequence that would read a slot its
-        lease did not write (kv_sanitizer.py)."""
+    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison") -> None:
+        """`scrub`: what released pages are filled with (see KVPool.clear). With a KV sanitizer on
+        the runner, the worker also tells it of releases and of transfers that landed."""
         if scrub not in SCRUB_MODES:
             raise ValueError(f"--kv-scrub must be one of {', '.join(SCRUB_MODES)}, got {scrub!r}")
         self.role = role
         self.runner = runner
         self.scrub = scrub
         self.device = runner.pool.device
-        pool = runner.pool
-        self.sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if sanitizer else None
+        self.sanitizer = runner.sanitizer
         self.incarnation = id_hex(mint_id())
 
     def restart(self) -> None:
@@ -85,32 +84,18 @@ class Worker:
         works = [SeqWork(s.token_ids, s.context_tokens, s.page_table, id_from_hex(s.lease),
                          s.sampling.params() if s.sampling is not None else None, s.output_index)
                  for s in cmd.seqs]
-        flagged = self._sanitize(works)
-        kept = [i for i in range(len(works)) if i not in {v.seq_index for v in flagged}]
         with torch.inference_mode():
-            result = self.runner.step([works[i] for i in kept]) if kept else StepResult([], None)
-        tokens: list[int | None] = [None] * len(works)
-        for i, token in zip(kept, result.tokens):
-            tokens[i] = token
-        owner = [OwnerMismatch(kept[v.work_index], v.page, id_hex(v.owner)) for v in result.violations]
-        if self.sanitizer is not None:
-            refused = {v.seq_index for v in owner}
-            for i in kept:
-                if i not in refused:
-                    w = works[i]
-                    self.sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))
-        return StepDone(cmd.step_id, tokens, flagged + owner, self.incarnation)
+            result = self.runner.step(works)
+        return StepDone(cmd.step_id, result.tokens, [self._mismatch(v) for v in result.violations],
+                        self.incarnation)
 
-    def _sanitize(self, works: list[SeqWork]) -> list[OwnerMismatch]:
-        if self.sanitizer is None:
-            return []
-        found = self.sanitizer.check_reads(works)
-        for v in found:
-            log.error("KV SANITIZER: %s worker: lease %s would read token %d (page %d slot %d), last written "
-                      "by %s", self.role, id_hex(v.lease), v.position, v.page, v.slot,
-                      f"lease {id_hex(v.writer)}" if v.writer else "nobody since the page was released")
-        return [OwnerMismatch(v.work_index, v.page, id_hex(v.writer), "sanitizer",
-                              f"token {v.position} (slot {v.slot})") for v in found]
+    def _mismatch(self, v: OwnerViolation | SlotViolation) -> OwnerMismatch:
+        if isinstance(v, OwnerViolation):
+            return OwnerMismatch(v.work_index, v.page, id_hex(v.owner))
+        log.error("KV SANITIZER: %s worker: lease %s would read token %d (page %d slot %d), last written "
+                  "by %s", self.role, id_hex(v.lease), v.position, v.page, v.slot,
+                  f"lease {id_hex(v.writer)}" if v.writer else "nobody since the page was released")
+        return OwnerMismatch(v.work_index, v.page, id_hex(v.writer), "sanitizer", f"token {v.position} (slot {v.slot})")
 
 
 class WorkerChannel:

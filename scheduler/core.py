@@ -279,9 +279,26 @@ class Scheduler:
         while True:
             await anyio.sleep(self.config.heartbeat_s)
             for pool in pools:
-                self._observe(pool, await pool.channel.call(pool.message(self._next_step_id(), [])))
+                self._observe(pool, await self._send(pool, []))
 
     # ---- loops ----
+
+    async def _send(self, pool: WorkerPool, seqs: list[SeqStep]) -> WorkerReply:
+        """One RunStep to `pool`'s worker, carrying its pending tag changes; its reply."""
+        return await pool.channel.call(pool.message(self._next_step_id(), seqs))
+
+    def _prefilled(self, chunks: list[tuple[Request, SeqStep]], tokens: list[int | None]) -> list[tuple[Request, int]]:
+        """Count each chunk of a step that ran as prefilled; the requests whose whole prompt is now
+        in, taken out of the prefill set, each with the first token it sampled."""
+        done = []
+        for (req, seq), token in zip(chunks, tokens):
+            if req.state.terminal:
+                continue
+            req.prefilled += len(seq.token_ids)
+            if token is not None:
+                self.prefilling.remove(req)
+                done.append((req, token))
+        return done
 
     def _next_step_id(self) -> int:
         self._step_id += 1
@@ -336,19 +353,14 @@ class Scheduler:
                 continue
             all_seqs = seqs + [s for _, s in chunks]
             reply = self._settle("colocated", decodes + [r for r, _ in chunks], all_seqs,
-                                 await self.prefill.channel.call(self.prefill.message(self._next_step_id(), all_seqs)))
+                                 await self._send(self.prefill, all_seqs))
             if reply is None:
                 continue
             self._accept_decoded(decodes, reply.tokens)
-            for (req, seq), token in zip(chunks, reply.tokens[len(seqs):]):
-                if req.state.terminal:
-                    continue
-                req.prefilled += len(seq.token_ids)
-                if token is not None and not req.state.terminal:
-                    self.prefilling.remove(req)
-                    req.advance(State.DECODING)
-                    self.decoding.append(req)
-                    self._accept_token(req, token)
+            for req, token in self._prefilled(chunks, reply.tokens[len(seqs):]):
+                req.advance(State.DECODING)
+                self.decoding.append(req)
+                self._accept_token(req, token)
 
     async def _prefill_loop(self) -> None:
         if self._task_group is None:
@@ -360,21 +372,15 @@ class Scheduler:
                 await self._wait_for_prefill_work()
                 continue
             seqs = [s for _, s in chunks]
-            reply = self._settle("prefill", [r for r, _ in chunks], seqs,
-                                 await self.prefill.channel.call(self.prefill.message(self._next_step_id(), seqs)))
+            reply = self._settle("prefill", [r for r, _ in chunks], seqs, await self._send(self.prefill, seqs))
             if reply is None:
                 continue
-            for (req, seq), token in zip(chunks, reply.tokens):
-                if req.state.terminal:
-                    continue
-                req.prefilled += len(seq.token_ids)
-                if token is not None and not req.state.terminal:
-                    self.prefilling.remove(req)
-                    req.advance(State.TRANSFERRING)
-                    req.pending_token = token
-                    req.prefill_done_s = time.monotonic()
-                    self.transferring.add(req)
-                    self._task_group.start_soon(self._transfer, req, name=f"transfer-{req.request_id[:8]}")
+            for req, token in self._prefilled(chunks, reply.tokens):
+                req.advance(State.TRANSFERRING)
+                req.pending_token = token
+                req.prefill_done_s = time.monotonic()
+                self.transferring.add(req)
+                self._task_group.start_soon(self._transfer, req, name=f"transfer-{req.request_id[:8]}")
 
     async def _transfer(self, req: Request) -> None:
         """Move the prompt's KV to the decode pool; the first token is emitted only after it landed."""
@@ -392,7 +398,7 @@ class Scheduler:
         if self.link is None:
             raise RuntimeError("a transfer needs a transfer link")
         # Tag the destination pages before any byte can land in them.
-        self._observe(self.decode, await self.decode.channel.call(self.decode.message(self._next_step_id(), [])))
+        self._observe(self.decode, await self._send(self.decode, []))
         result = await self.link.move(len(req.prompt), req.prefill_pages, req.decode_pages, req.decode_lease,
                                       timeout_s=self.config.transfer_timeout_s)
         self.transferring.discard(req)
@@ -400,13 +406,13 @@ class Scheduler:
         # push() has returned: the source pages are quiet whatever the outcome.
         self.prefill.release(req.prefill_lease)
         req.prefill_lease = 0
+        if not result.quiet:  # a write may still land: the destination pages stay out of the free list
+            self.decode.ledger.quarantine(req.decode_lease)
+            req.decode_lease = 0
         if req.abort_requested:
             self._end(req, req.abort_error or RequestError(499, "client_closed", "the client closed the request"),
                       aborted=req.abort_error is None)
             return
-        if not result.quiet:  # a write may still land: the destination pages stay out of the free list
-            self.decode.ledger.quarantine(req.decode_lease)
-            req.decode_lease = 0
         if not result.ok:
             log.warning("request %s: KV transfer failed (%s)", req.request_id, result.reason)
             self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"))
@@ -429,7 +435,7 @@ class Scheduler:
                 continue
             seqs = decode_steps(decodes)
             reply = self._settle("decode", decodes, seqs,
-                                 await self.decode.channel.call(self.decode.message(self._next_step_id(), seqs)))
+                                 await self._send(self.decode, seqs))
             if reply is None:
                 continue
             self._accept_decoded(decodes, reply.tokens)

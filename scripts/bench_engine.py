@@ -26,25 +26,14 @@ GREEDY = SamplingParams(temperature=0.0)
 LEASE = 1 << 100  # any nonzero 128-bit lease
 
 
-def sanitized_step(runner: ModelRunner, sanitizer: KvSanitizer | None, works: list[SeqWork]) -> list[int | None]:
-    """One step, with the KV sanitizer's read check before and write record after (as the worker does)."""
-    if sanitizer is not None and sanitizer.check_reads(works):
-        raise RuntimeError("the sanitizer refused a read of the benchmark's own writes")
-    tokens = runner.step(works).tokens
-    if sanitizer is not None:
-        for w in works:
-            sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))
-    return tokens
-
-
 def bench(runners: list[ModelRunner], batch: int, prompt_tokens: int, decode_steps: int,
-          vocab: int, sanitizers: list[KvSanitizer | None] | None = None) -> tuple[float, list[float]]:
+          vocab: int) -> tuple[float, list[float]]:
     """Returns (prefill tok/s of one prompt, decode tok/s summed over the batch, one per runner).
 
     With several runners (same model and pool, different settings), decode steps alternate between
-    them step by step, so machine noise and drift fall on all of them alike. `sanitizers[k]`, when
-    given, is checked and updated around runner k's steps."""
-    sanitizers = sanitizers or [None] * len(runners)
+    them step by step, so machine noise and drift fall on all of them alike. A runner's KV
+    sanitizer is told of the writes of the other runners' steps too (they share the pool)."""
+    sanitizers = [r.sanitizer for r in runners if r.sanitizer is not None]
     runner = runners[0]
     pages_per_seq = -(-(prompt_tokens + decode_steps + 1) // PAGE_SIZE)
     tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
@@ -61,7 +50,7 @@ def bench(runners: list[ModelRunner], batch: int, prompt_tokens: int, decode_ste
             prefill_s = time.perf_counter() - t0
         last.append(out.tokens[0])  # type: ignore[arg-type]
         for s in sanitizers:
-            if s is not None:
+            if s is not runner.sanitizer:
                 s.record_write(LEASE + i, table, 0, prompt_tokens)
     ctx = prompt_tokens
     spent = [0.0] * len(runners)
@@ -69,16 +58,18 @@ def bench(runners: list[ModelRunner], batch: int, prompt_tokens: int, decode_ste
     for step in range(decode_steps + 1):
         k = step % len(runners)
         t0 = time.perf_counter()
-        tokens = sanitized_step(runners[k], sanitizers[k], [SeqWork([t], ctx, tb, LEASE + i, GREEDY)
-                                                             for i, (t, tb) in enumerate(zip(last, tables))])
+        out = runners[k].step([SeqWork([t], ctx, tb, LEASE + i, GREEDY)
+                               for i, (t, tb) in enumerate(zip(last, tables))])
         if step > 0:  # the first step warms up
             spent[k] += time.perf_counter() - t0
             steps[k] += 1
-        for s in sanitizers:  # every configuration sees every step's writes
-            if s is not None and s is not sanitizers[k]:
+        if out.violations:
+            raise RuntimeError(f"a check refused the benchmark's own reads: {out.violations[:1]}")
+        for s in sanitizers:
+            if s is not runners[k].sanitizer:
                 for i, tb in enumerate(tables):
                     s.record_write(LEASE + i, tb, ctx, 1)
-        last = tokens  # type: ignore[assignment]
+        last = out.tokens  # type: ignore[assignment]
         ctx += 1
     return prompt_tokens / prefill_s, [batch * n / t for n, t in zip(steps, spent)]
 
@@ -110,13 +101,10 @@ def main() -> None:
         pool = KVPool(model.config, pages, PAGE_SIZE, dtype)
         checks = {"on": [True], "off": [False], "both": [True, False]}[args.guards]
         runners = [ModelRunner(model, pool, owner_check=c) for c in checks]
-        sanitizers: list[KvSanitizer | None] = [None] * len(runners)
         if args.sanitizer_cost:
-            runners.append(ModelRunner(model, pool, owner_check=True))
-            sanitizers.append(KvSanitizer(pool.num_pages, PAGE_SIZE))
+            runners.append(ModelRunner(model, pool, sanitizer=KvSanitizer(pool.num_pages, PAGE_SIZE)))
         for b in batches:
-            prefill, decodes = bench(runners, b, args.prompt_tokens, args.decode_steps, model.config.vocab_size,
-                                     sanitizers)
+            prefill, decodes = bench(runners, b, args.prompt_tokens, args.decode_steps, model.config.vocab_size)
             print(f"{name:<10}{b:>6}{prefill:>15.0f}{decodes[0]:>14.1f}", flush=True)
             if args.guards == "both":
                 print(f"{'':<10}{'':>6}{'(no check)':>15}{decodes[1]:>14.1f}   "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import anyio
 import torch
 from anyio.abc import TaskGroup
 
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.kv_sanitizer import KvSanitizer
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.worker import Worker, WorkerChannel
@@ -21,7 +23,7 @@ from kvfence.transports.base import Transport
 def make_worker(checkpoint: Checkpoint, role: str, num_pages: int, page_size: int) -> Worker:
     model = LlamaModel(checkpoint, torch.float32)
     pool = KVPool(model.config, num_pages, page_size, torch.float32)
-    return Worker(role, ModelRunner(model, pool), sanitizer=True)
+    return Worker(role, ModelRunner(model, pool, sanitizer=KvSanitizer(num_pages, page_size)))
 
 
 @dataclasses.dataclass
@@ -57,3 +59,25 @@ async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config
                           decode_pages=num_pages, link=paired.link)
     await scheduler.run(tg)
     return Serving(scheduler, [pw, dw], paired.endpoints)
+
+
+def assert_baseline(scheduler: Scheduler) -> None:
+    """Every page is back in its ledger, and each ledger accounts for every page."""
+    assert all(n == 0 for n in scheduler.pages_in_use().values()), scheduler.pages_in_use()
+    for pool in {id(scheduler.prefill): scheduler.prefill, id(scheduler.decode): scheduler.decode}.values():
+        pool.ledger.check_integrity()
+
+
+async def wait_idle(scheduler: Scheduler, timeout_s: float = 10) -> None:
+    """Until no request is in flight; then `assert_baseline`."""
+    with anyio.fail_after(timeout_s):
+        while scheduler.in_flight():
+            await anyio.sleep(0.01)
+    assert_baseline(scheduler)
+
+
+async def until_transferring(scheduler: Scheduler, timeout_s: float = 5) -> None:
+    """Until some request's KV transfer is in flight."""
+    with anyio.fail_after(timeout_s):
+        while not scheduler.transferring:
+            await anyio.sleep(0.005)

@@ -53,7 +53,8 @@ def test_a_page_table_naming_a_page_outside_the_pool_is_an_error() -> None:
 
 def worker(tiny: Checkpoint) -> Worker:
     model = LlamaModel(tiny, torch.float32)
-    return Worker("decode", ModelRunner(model, KVPool(model.config, 8, 4, torch.float32)), sanitizer=True)
+    pool = KVPool(model.config, 8, 4, torch.float32)
+    return Worker("decode", ModelRunner(model, pool, sanitizer=KvSanitizer(8, 4)))
 
 
 def seq(lease: int, tokens: list[int], context: int, table: list[int]) -> SeqStep:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 import torch
-from serving_harness import start_serving
+from serving_harness import assert_baseline, start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
@@ -42,13 +42,6 @@ class Harness:
     def __init__(self, scheduler: Scheduler, workers: list[Worker]) -> None:
         self.scheduler = scheduler
         self.workers = workers
-
-    def assert_baseline(self) -> None:
-        """Every page is back in its ledger and untagged in its pool once the next step ran."""
-        assert all(n == 0 for n in self.scheduler.pages_in_use().values()), self.scheduler.pages_in_use()
-        s = self.scheduler
-        for pool in {id(s.prefill): s.prefill, id(s.decode): s.decode}.values():
-            pool.ledger.check_integrity()
 
 
 async def collect(handle: RequestHandle) -> tuple[list[int], str, str | None, str | None]:
@@ -99,7 +92,7 @@ async def test_greedy_equals_offline_engine(harness: Harness, tiny: Checkpoint) 
         assert error is None and reason == "length"
         assert ids == want_ids
         assert text == want_text
-    harness.assert_baseline()
+    assert_baseline(harness.scheduler)
 
 
 @pytest.mark.anyio
@@ -112,7 +105,7 @@ async def test_context_length_rejected_before_anything_is_reserved(harness: Harn
         s.submit([5, 6, 7], SamplingParams(max_tokens=CONTEXT))
     assert info.value.param == "max_tokens"
     assert s.in_flight() == 0
-    harness.assert_baseline()
+    assert_baseline(harness.scheduler)
 
 
 @pytest.mark.anyio
@@ -130,14 +123,7 @@ async def test_queue_full_is_503_with_retry_after(harness: Harness) -> None:
     for h in handles:
         _, _, reason, error = await collect(h)
         assert reason is None and error == "client_closed"
-    await wait_idle(harness)
-
-
-async def wait_idle(harness: Harness) -> None:
-    with anyio.fail_after(10):
-        while harness.scheduler.in_flight():
-            await anyio.sleep(0.01)
-    harness.assert_baseline()
+    await wait_idle(harness.scheduler)
 
 
 @pytest.mark.anyio
@@ -157,11 +143,11 @@ async def test_abort_returns_every_page(harness: Harness, after_tokens: int) -> 
             assert d.finish_reason is None and d.error is not None and d.error.code == "client_closed"
             break
     handle.abort()  # idempotent
-    await wait_idle(harness)
+    await wait_idle(harness.scheduler)
     # Others keep working afterwards.
     ids, _, reason, _ = await collect(s.submit([4, 5, 6], SamplingParams(temperature=0, max_tokens=3)))
     assert reason in ("stop", "length") and ids
-    await wait_idle(harness)
+    await wait_idle(harness.scheduler)
 
 
 @pytest.mark.anyio
@@ -189,7 +175,7 @@ async def test_foreign_page_tag_fails_only_that_request(harness: Harness, tiny: 
         assert ids == [] and text == ""  # failed before its first token
     assert s.metrics.integrity_violations.labels(
         "colocated" if not s.config.disaggregated else pool, "owner_tag")._value.get() == 1
-    await wait_idle(harness)
+    await wait_idle(harness.scheduler)
 
 
 @pytest.mark.anyio
@@ -209,10 +195,7 @@ async def test_queued_request_ends_at_its_deadline(tiny: Checkpoint) -> None:
         assert reason is None and error == "overloaded"
         running.abort()
         await collect(running)
-        with anyio.fail_after(10):
-            while s.in_flight():
-                await anyio.sleep(0.01)
-        assert s.pages_in_use() == {"colocated": 0}
+        await wait_idle(s)
         tg.cancel_scope.cancel()
 
 
@@ -237,10 +220,7 @@ async def test_client_gone_while_queued(tiny: Checkpoint) -> None:
         assert (ids, reason, error) == ([], None, "client_closed")
         assert s.pages_in_use()["colocated"] == held  # it never held any
         assert (await collect(running))[0] == want
-        with anyio.fail_after(10):
-            while s.in_flight():
-                await anyio.sleep(0.01)
-        assert s.pages_in_use() == {"colocated": 0}
+        await wait_idle(s)
         tg.cancel_scope.cancel()
 
 
@@ -266,7 +246,7 @@ async def test_the_incident_prompt_over_the_prefill_pool_is_refused_at_admission
         assert s.metrics.transfers.labels("ok")._value.get() == 0
         ids, _, reason, error = await collect(s.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=4)))
         assert reason == "length" and error is None and len(ids) == 4
-        await wait_idle(Harness(s, serving.workers))
+        await wait_idle(s)
         await serving.aclose()
         tg.cancel_scope.cancel()
 
@@ -296,8 +276,8 @@ async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed
     assert error == "kv_integrity_error" and reason is None
     assert len(ids) <= 1  # at most the prefill's token; nothing decoded from the unlanded slot
     assert s.metrics.integrity_violations.labels("decode", "sanitizer")._value.get() == 1
-    await wait_idle(harness)
+    await wait_idle(harness.scheduler)
     short[0] = False
     ids, _, reason, error = await collect(s.submit(ps[1], params))
     assert (ids, reason, error) == (offline_greedy(tiny, [ps[1]], 6)[0][0], "length", None)
-    await wait_idle(harness)
+    await wait_idle(harness.scheduler)

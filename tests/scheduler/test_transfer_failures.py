@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from serving_harness import Serving, start_serving
+from serving_harness import Serving, start_serving, until_transferring, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
@@ -40,13 +40,6 @@ async def serve(tg: anyio.abc.TaskGroup, tiny: Checkpoint, transport: str, fault
     return await start_serving(tg, tiny, transport, config, num_pages=64, faults=faults)
 
 
-async def idle(s: Serving) -> None:
-    with anyio.fail_after(10):
-        while s.scheduler.in_flight():
-            await anyio.sleep(0.01)
-    assert all(n == 0 for n in s.scheduler.pages_in_use().values()), s.scheduler.pages_in_use()
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("fault", ["corrupt", "truncate", "drop", "fail_post", "delay=2"])
 async def test_failed_transfer_fails_closed_and_the_next_request_is_served(
@@ -55,14 +48,14 @@ async def test_failed_transfer_fails_closed_and_the_next_request_is_served(
         s = await serve(tg, tiny, transport, f"{fault}#2")  # only the second push is hit
         want, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
         assert (reason, error) == ("length", None) and len(want) == 6
-        await idle(s)
+        await wait_idle(s.scheduler)
         with anyio.fail_after(10):  # bounded: the transfer timeout is 0.5 s
             ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
         assert ids == [] and reason is None and error == "kv_transfer_failed"  # no token, no `length`
-        await idle(s)
+        await wait_idle(s.scheduler)
         ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
         assert (ids, reason, error) == (want, "length", None)  # the pair is not poisoned
-        await idle(s)
+        await wait_idle(s.scheduler)
         await s.aclose()
         tg.cancel_scope.cancel()
 
@@ -74,13 +67,11 @@ async def test_client_gone_during_a_slow_transfer(tiny: Checkpoint, transport: s
     async with anyio.create_task_group() as tg:
         s = await serve(tg, tiny, transport, "delay=0.3")
         handle = s.scheduler.submit(PROMPT, GREEDY)
-        with anyio.fail_after(5):
-            while not s.scheduler.transferring:
-                await anyio.sleep(0.005)
+        await until_transferring(s.scheduler)
         handle.abort()
         ids, reason, error = await outcome(handle)
         assert reason is None and error == "client_closed" and ids == []
-        await idle(s)
+        await wait_idle(s.scheduler)
         await s.aclose()
         tg.cancel_scope.cancel()
 
@@ -93,7 +84,7 @@ async def test_an_unacknowledged_cancel_keeps_the_pages_quarantined(tiny: Checkp
     async with anyio.create_task_group() as tg:
         s = await serve(tg, tiny, transport, "stuck#2")
         want, _, _ = await outcome(s.scheduler.submit(PROMPT, GREEDY))
-        await idle(s)
+        await wait_idle(s.scheduler)
         with anyio.fail_after(10):
             ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
         assert (ids, reason, error) == ([], None, "kv_transfer_failed")
@@ -123,7 +114,7 @@ async def test_a_prefill_side_failure_reaches_the_client_at_once(tiny: Checkpoin
         with anyio.fail_after(3):
             ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
         assert (ids, reason, error) == ([], None, "kv_transfer_failed")
-        await idle(s)
+        await wait_idle(s.scheduler)
         await s.aclose()
         tg.cancel_scope.cancel()
 
@@ -135,9 +126,7 @@ async def test_source_pages_stay_reserved_while_the_transfer_reads_them(tiny: Ch
     async with anyio.create_task_group() as tg:
         s = await serve(tg, tiny, transport, "delay=0.3#1")
         first = s.scheduler.submit(PROMPT, GREEDY)
-        with anyio.fail_after(5):
-            while not s.scheduler.transferring:
-                await anyio.sleep(0.005)
+        await until_transferring(s.scheduler)
         (req,) = s.scheduler.transferring
         ledger = s.scheduler.prefill.ledger
         reading = ledger.pages(req.prefill_lease)
@@ -146,6 +135,27 @@ async def test_source_pages_stay_reserved_while_the_transfer_reads_them(tiny: Ch
         others = [r for r in s.scheduler.prefilling if r is not req]
         assert others and not set(others[0].prefill_pages) & set(reading)
         assert (await outcome(first))[1] == "length" and (await outcome(second))[1] == "length"
-        await idle(s)
+        await wait_idle(s.scheduler)
+        await s.aclose()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_client_gone_during_a_transfer_that_never_quiets(tiny: Checkpoint, transport: str) -> None:
+    """FAILURES 5 and 11 together: the client leaves mid-transfer and the transfer's cancellation is
+    never acknowledged: the request ends aborted, and its decode pages stay quarantined, not freed."""
+    async with anyio.create_task_group() as tg:
+        s = await serve(tg, tiny, transport, "stuck#1")
+        handle = s.scheduler.submit(PROMPT, GREEDY)
+        await until_transferring(s.scheduler)
+        handle.abort()
+        with anyio.fail_after(10):
+            ids, reason, error = await outcome(handle)
+        assert (ids, reason, error) == ([], None, "client_closed")
+        with anyio.fail_after(10):
+            while s.scheduler.in_flight():
+                await anyio.sleep(0.01)
+        held = s.scheduler.decode.ledger.num_quarantined
+        assert held == 4 and s.scheduler.pages_in_use() == {"prefill": 0, "decode": held}
         await s.aclose()
         tg.cancel_scope.cancel()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
-from serving_harness import Serving, start_serving
+from serving_harness import Serving, start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
@@ -42,13 +42,6 @@ async def rest(handle: RequestHandle, restart_after: int = 0, channel: object = 
     return ids, None, None, None
 
 
-async def idle(s: Serving) -> None:
-    with anyio.fail_after(10):
-        while s.scheduler.in_flight():
-            await anyio.sleep(0.01)
-    assert all(n == 0 for n in s.scheduler.pages_in_use().values()), s.scheduler.pages_in_use()
-
-
 @pytest.mark.parametrize("mode", ["colocated", "tcp", "inprocess"])
 async def test_decode_side_restart_fails_its_requests_with_503_and_new_ones_are_served(
         tiny: Checkpoint, mode: str) -> None:
@@ -56,18 +49,18 @@ async def test_decode_side_restart_fails_its_requests_with_503_and_new_ones_are_
         s = await serve(tg, tiny, mode)
         sched = s.scheduler
         want, _, _, _ = await rest(sched.submit(PROMPT, SHORT))
-        await idle(s)
+        await wait_idle(s.scheduler)
         # restart the decode (or the only) worker after 3 tokens
         ids, reason, status, code = await rest(sched.submit(PROMPT * 2, LONG), 3, sched.decode.channel)
         assert (reason, status, code) == (None, 503, "worker_restarted")  # never `length` with a 200
         assert 3 <= len(ids) < 60
         assert sched.metrics.worker_restarts.labels(sched.decode.role)._value.get() == 1
-        await idle(s)
+        await wait_idle(s.scheduler)
         # The new incarnation serves new requests exactly.
         with anyio.fail_after(30):
             ids, reason, status, _ = await rest(sched.submit(PROMPT, SHORT))
         assert (ids, reason, status) == (want, "length", None)
-        await idle(s)
+        await wait_idle(s.scheduler)
         await s.aclose()
         tg.cancel_scope.cancel()
 
@@ -77,7 +70,7 @@ async def test_prefill_restart_spares_requests_that_already_moved_to_decode(tiny
         s = await serve(tg, tiny, "tcp")
         sched = s.scheduler
         want, _, _, _ = await rest(sched.submit(PROMPT * 2, LONG))
-        await idle(s)
+        await wait_idle(s.scheduler)
         # restarted once decoding, when it holds decode pages only
         ids, reason, status, _ = await rest(sched.submit(PROMPT * 2, LONG), 2, sched.prefill.channel)
         assert (ids, reason, status) == (want, "length", None)
@@ -86,7 +79,7 @@ async def test_prefill_restart_spares_requests_that_already_moved_to_decode(tiny
                 await anyio.sleep(0.02)  # the heartbeat notices
         ids, reason, _, _ = await rest(sched.submit(PROMPT * 2, LONG))
         assert (ids, reason) == (want, "length")
-        await idle(s)
+        await wait_idle(s.scheduler)
         await s.aclose()
         tg.cancel_scope.cancel()
 

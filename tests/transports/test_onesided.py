@@ -143,6 +143,15 @@ async def fake_pair(plane: type[FakePlane] = FakePlane, **options: object) -> As
                 await rx.aclose()
 
 
+def cancel_soon(tg: anyio.abc.TaskGroup, endpoint: FakeTransport, transfer_id: str, acks: list[bool]) -> None:
+    """Cancel `transfer_id` on `endpoint` in a task; its acknowledgement is appended to `acks`."""
+
+    async def cancel() -> None:
+        acks.append(await endpoint.cancel(transfer_id))
+
+    tg.start_soon(cancel)
+
+
 async def posted(fabric: Fabric, count: int) -> list[FakeWrite]:
     with anyio.fail_after(5):
         while len(fabric.writes) < count:
@@ -158,10 +167,7 @@ async def test_receiver_cancel_after_go_is_acknowledged_only_once_the_write_is_t
             p.push_soon(tg, manifest, [0, 1, 2, 3], results)
             [first] = await posted(p.fabric, 1)
 
-            async def cancel() -> None:
-                acks.append(await p.rx.cancel(manifest.transfer_id))
-
-            tg.start_soon(cancel)
+            cancel_soon(tg, p.rx, manifest.transfer_id, acks)
             await anyio.sleep(0.1)
             assert acks == []  # the write in flight could still land
             assert (await p.rx.completion(manifest.transfer_id)).reason == "cancelled"  # settled at once
@@ -195,10 +201,7 @@ async def test_sender_cancel_waits_for_the_write_in_flight(confirmed: bool) -> N
             p.push_soon(tg, manifest, [0, 1, 2], results)
             [first] = await posted(p.fabric, 1)
 
-            async def cancel() -> None:
-                acks.append(await p.tx.cancel(manifest.transfer_id))
-
-            tg.start_soon(cancel)
+            cancel_soon(tg, p.tx, manifest.transfer_id, acks)
             await anyio.sleep(0.1)
             assert acks == []  # the write in flight still reads the source pages
             if confirmed:
@@ -247,10 +250,7 @@ async def test_a_failed_handle_is_not_acknowledged_until_every_handle_is_termina
             second = (await posted(p.fabric, 2))[1]
             assert second.state is WriteState.PENDING
 
-            async def cancel() -> None:
-                acks.append(await p.rx.cancel(manifest.transfer_id))
-
-            tg.start_soon(cancel)
+            cancel_soon(tg, p.rx, manifest.transfer_id, acks)
             await anyio.sleep(0.1)
             assert acks == []  # the second handle could still write
             p.fabric.fail(second)
