@@ -8,7 +8,12 @@ pool is not on the CPU; True also stages a CPU pool, to test that path) and `sta
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
 import torch
+from anyio.abc import TaskGroup, TaskStatus
 
 from kvfence.transports.base import EndpointInfo, PairingRecord, TransferManifest, TransferResult, Transport
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES, PoolView
@@ -90,3 +95,31 @@ class PoolEndpoint(Transport):
             raise ValueError(f"transfer {manifest.transfer_id}: {len(manifest.digests)} digests for {n} pages")
         pool.check_pages(list(src_pages), f"transfer {manifest.transfer_id} src")
         return pool
+
+
+class ListeningEndpoint(PoolEndpoint):
+    """A PoolEndpoint that serves from a task group of its own, started inside the caller's (tcp and
+    the one-sided transports): `_loops()` run there until `aclose` cancels it, then `_stop_serving()`
+    closes what they used. `_tg` is that task group while it runs; `_stopped` is set once it ended."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._tg: TaskGroup | None = None
+        self._stopped = anyio.Event()
+
+    def _loops(self) -> list[Callable[[], Awaitable[None]]]:
+        raise NotImplementedError
+
+    def _stop_serving(self) -> None:
+        raise NotImplementedError
+
+    async def _serve(self, *, task_status: TaskStatus[None]) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                for loop in self._loops():
+                    tg.start_soon(loop)
+                task_status.started()
+        finally:
+            self._stop_serving()
+            self._stopped.set()

@@ -36,15 +36,16 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 import anyio
 import torch
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
 from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.endpoint import PoolEndpoint, pairing_problem
+from kvfence.transports.endpoint import ListeningEndpoint, pairing_problem
 from kvfence.transports.onesided_link import Link
 from kvfence.transports.onesided_receive import ReceiverHalf, answer_hello
 from kvfence.transports.onesided_send import SenderHalf
@@ -63,7 +64,7 @@ class OneSidedPeer(Peer):
         self.link = link
 
 
-class OneSidedTransport(PoolEndpoint):
+class OneSidedTransport(ListeningEndpoint):
     """Base of the one-sided transports; a subclass sets `name` and passes its plane (one per
     endpoint, not yet opened). `host`/`port`: where the control channel listens (port 0: an
     ephemeral one). `write_chunk_bytes`: the most a single write of a push moves (at least a
@@ -88,8 +89,6 @@ class OneSidedTransport(PoolEndpoint):
         self._rx: ReceiverHalf | None = None
         self._descriptor = b""
         self._listener: socket.socket | None = None
-        self._tg: TaskGroup | None = None
-        self._stopped = anyio.Event()
         self._wake = anyio.Event()
         self._peers: dict[str, Link] = {}  # links this endpoint opened, by peer address
         self._accepted: set[Link] = set()
@@ -119,16 +118,11 @@ class OneSidedTransport(PoolEndpoint):
             raise
         return self._info
 
-    async def _serve(self, *, task_status: TaskStatus[None]) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._accept_loop)
-                tg.start_soon(self._poll_loop)
-                task_status.started()
-        finally:
-            self._shutdown()
-            self._stopped.set()
+    def _loops(self) -> list[Callable[[], Awaitable[None]]]:
+        return [self._accept_loop, self._poll_loop]
+
+    def _stop_serving(self) -> None:
+        self._shutdown()
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None and self._tg is not None

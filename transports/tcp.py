@@ -19,15 +19,16 @@ peer return "peer_lost" at once, and `health()` stays False until the peer is pa
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable
 from typing import ClassVar
 
 import anyio
 import torch
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
-from kvfence.transports.endpoint import PoolEndpoint, pairing_problem
+from kvfence.transports.endpoint import ListeningEndpoint, pairing_problem
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
 from kvfence.transports.tcp_io import Channel, accept_forever, connect, listen
 from kvfence.transports.tcp_receive import serve_connection
@@ -61,7 +62,7 @@ def listen_endpoint(name: str, host: str, port: int, record: PairingRecord) -> t
     return listener, EndpointInfo(name, f"{shown}:{listener.getsockname()[1]}", record)
 
 
-class TcpTransport(PoolEndpoint):
+class TcpTransport(ListeningEndpoint):
     name: ClassVar[str] = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout: float = 10.0,
@@ -71,8 +72,6 @@ class TcpTransport(PoolEndpoint):
         self.host, self.port = host, port
         self.handshake_timeout = handshake_timeout
         self._listener: socket.socket | None = None
-        self._tg: TaskGroup | None = None
-        self._stopped = anyio.Event()
         self._peers: dict[str, SenderConnection] = {}  # by peer address
         self._accepted: set[Channel] = set()
 
@@ -87,15 +86,11 @@ class TcpTransport(PoolEndpoint):
             raise
         return self._info
 
-    async def _serve(self, *, task_status: TaskStatus[None]) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._accept_loop)
-                task_status.started()
-        finally:
-            self._close_sockets()
-            self._stopped.set()
+    def _loops(self) -> list[Callable[[], Awaitable[None]]]:
+        return [self._accept_loop]
+
+    def _stop_serving(self) -> None:
+        self._close_sockets()
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None and self._tg is not None
