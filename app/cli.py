@@ -145,9 +145,12 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfence.app.sizing import plan_pools, resolve_context
     from kvfence.engine.attention_backend import resolve_backend_name
     from kvfence.engine.checkpoint import load_checkpoint
+    from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
 
+    # Before any torch op here: only the devices' compute threads get intra-op threads (engine/compute.py).
+    intra_op_threads = confine_to_one_intra_op_thread()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(vars(args), os.environ, args.config)
     path = resolve_model(config.model, kvfence_home())
@@ -159,7 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
     resolve_context(config, model, plan_pools(config, model, element_size))
     checkpoint = load_checkpoint(path)
     name = args.served_model_name or served_name(config.model)
-    return anyio.run(serve, config, checkpoint, name)
+    return anyio.run(serve, config, checkpoint, name, intra_op_threads)
 
 
 def _read_model_config(path: Path):  # -> ModelConfig

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 
 import anyio
-import anyio.to_thread
 import torch
 from prometheus_client import Counter, Gauge
 
@@ -49,7 +48,8 @@ class ReadinessCanary:
                              registry=registry)
 
     def _local_answer(self) -> list[int]:
-        """The canary's greedy ids on this model without any transport (runs in a worker thread)."""
+        """The canary's greedy ids on this model without any transport (runs on the prefill worker's
+        compute thread)."""
         page_size = 16
         pages = -(-(len(self.prompt) + CANARY_TOKENS) // page_size)
         pool = KVPool(self.model.config, pages, page_size, self.model.dtype, self.model.device)
@@ -60,7 +60,7 @@ class ReadinessCanary:
     async def check_once(self) -> bool:
         """One canary through the serving path; updates `passed`."""
         if self.expected is None:
-            self.expected = await anyio.to_thread.run_sync(self._local_answer)
+            self.expected = await self.scheduler.prefill.channel.compute.run(self._local_answer)
         try:
             handle = self.scheduler.submit(self.prompt, self.params)
         except AdmissionRejected as e:  # busy or draining: no verdict, keep the last one

@@ -20,8 +20,9 @@ from kvfence.app.config import ServeConfig
 from kvfence.app.http_api import build_app
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.app.readiness import ReadinessCanary
-from kvfence.app.workers import build_workers
+from kvfence.app.workers import Workers, build_workers
 from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.compute import confine_to_one_intra_op_thread
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.worker import WorkerChannel
@@ -73,10 +74,19 @@ async def _drain_on_signal(scheduler: Scheduler, shutdown: anyio.Event, timeout_
             return
 
 
-async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) -> int:
+async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str,
+                intra_op_threads: int | None = None) -> int:
     """Serve until SIGTERM/SIGINT drained (0), or 1 when the workers' transport endpoints refused
-    to pair (logged)."""
-    workers = build_workers(config, checkpoint)
+    to pair (logged). `intra_op_threads`: each device's compute thread team (engine/compute.py)."""
+    workers = build_workers(config, checkpoint, intra_op_threads)
+    try:
+        confine_to_one_intra_op_thread()  # torch work outside the compute threads stays single-threaded
+        return await _serve_workers(config, checkpoint, model_name, workers)
+    finally:
+        workers.close()
+
+
+async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name: str, workers: Workers) -> int:
     prefill_pool = workers.prefill.pool
     decode_pool = workers.decode.pool if workers.decode is not None else prefill_pool
     context = workers.max_context_tokens  # every pool holds it (checked before allocation)
@@ -98,8 +108,8 @@ async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str) ->
                             max_running=config.max_running, max_queue=config.max_queue,
                             chunk_tokens=config.chunk_tokens, disaggregated=workers.decode is not None,
                             transfer_timeout_s=config.transfer_timeout_s, queue_timeout_s=config.queue_timeout_s),
-            checkpoint.tokenizer, WorkerChannel(workers.prefill),
-            WorkerChannel(workers.decode) if workers.decode is not None else None,
+            checkpoint.tokenizer, WorkerChannel(workers.prefill, workers.compute_of(workers.prefill)),
+            WorkerChannel(workers.decode, workers.compute_of(workers.decode)) if workers.decode is not None else None,
             prefill_pages=prefill_pool.num_pages, decode_pages=decode_pool.num_pages, link=link, metrics=metrics)
         await scheduler.run(tg)
         canary = ReadinessCanary(scheduler, checkpoint.tokenizer, workers.prefill.runner.model,

@@ -1,4 +1,4 @@
-"""Building the workers of a server from its config: models, KV pools, runners."""
+"""Building the workers of a server from its config: compute threads, models, KV pools, runners."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from kvfence.app.config import ServeConfig
 from kvfence.app.sizing import plan_pools, resolve_context
 from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
 from kvfence.engine.llama import LlamaModel
@@ -26,10 +27,21 @@ class Workers:
     decode: Worker | None  # None when colocated
     dtype: torch.dtype
     max_context_tokens: int  # the context every pool holds (app/sizing.resolve_context)
+    compute: dict[torch.device, ComputeThread]  # one per device, shared by the workers placed on it
+
+    def compute_of(self, worker: Worker) -> ComputeThread:
+        return self.compute[worker.device]
+
+    def close(self) -> None:
+        for thread in self.compute.values():
+            thread.close()
 
 
-def build_workers(config: ServeConfig, checkpoint: Checkpoint) -> Workers:
+def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads: int | None = None) -> Workers:
     """One worker per role (or one colocated worker); models on the same device share weights.
+
+    Each device gets a compute thread (`intra_op_threads` for its team, see engine/compute.py),
+    and everything of its workers, from the weights and the pool's memory on, is made there.
 
     Raises UndersizedPoolError, before anything is allocated, when a pool cannot hold one request
     of the full context (unless config.clamp_context)."""
@@ -43,16 +55,25 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint) -> Workers:
         if verdict.verdict != "ok":
             log.warning("%s", verdict.describe())
     models: dict[torch.device, LlamaModel] = {}
+    compute: dict[torch.device, ComputeThread] = {}
     workers: dict[str, Worker] = {}
-    for role, plan in zip(roles, plans, strict=True):
-        device = devices[role]
-        if device not in models:
-            models[device] = LlamaModel(checkpoint, dtype, device, attention_backend=config.attention_backend)
-        model = models[device]
-        pool = KVPool(model.config, plan.num_pages, plan.page_size_tokens, dtype, device)
-        log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s, %s attention)",
-                 plan.role, device, plan.num_pages, plan.page_size_tokens, pool.capacity_tokens,
-                 plan.pool_bytes / 2**20, str(dtype).removeprefix("torch."), model.attention.name)
-        sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if config.kv_sanitizer else None
-        workers[role] = Worker(plan.role, ModelRunner(model, pool, sanitizer=sanitizer), scrub=config.kv_scrub)
-    return Workers(workers["prefill"], workers.get("decode"), dtype, context)
+    try:
+        for role, plan in zip(roles, plans, strict=True):
+            device = devices[role]
+            if device not in compute:
+                compute[device] = ComputeThread(f"compute-{device}", intra_op_threads)
+                models[device] = compute[device].call(LlamaModel, checkpoint, dtype, device,
+                                                      config.attention_backend)
+            model = models[device]
+            pool = compute[device].call(KVPool, model.config, plan.num_pages, plan.page_size_tokens, dtype, device)
+            log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s, %s attention, "
+                     "%d intra-op threads)", plan.role, device, plan.num_pages, plan.page_size_tokens,
+                     pool.capacity_tokens, plan.pool_bytes / 2**20, str(dtype).removeprefix("torch."),
+                     model.attention.name, compute[device].intra_op_threads)
+            sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if config.kv_sanitizer else None
+            workers[role] = Worker(plan.role, ModelRunner(model, pool, sanitizer=sanitizer), scrub=config.kv_scrub)
+    except BaseException:
+        for thread in compute.values():
+            thread.close()
+        raise
+    return Workers(workers["prefill"], workers.get("decode"), dtype, context, compute)

@@ -1,19 +1,19 @@
 """A worker: one device, one model replica, one KV pool, driven by scheduler messages.
 
-Compute runs in a worker thread (never on the event loop), one step at a time. The scheduler
-talks to a worker only through `WorkerChannel.call`, which round-trips every message through
-msgspec, so the worker could live in another process without changing the scheduler.
+Compute runs on the device's compute thread (engine/compute.py), never on the event loop, one
+step at a time. The scheduler talks to a worker only through `WorkerChannel.call`, which
+round-trips every message through msgspec, so the worker could live in another process without
+changing the scheduler.
 """
 
 from __future__ import annotations
 
 import logging
 
-import anyio
-import anyio.to_thread
 import msgspec
 import torch
 
+from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import SCRUB_MODES, KVPool
 from kvfence.engine.kv_sanitizer import SlotViolation
 from kvfence.engine.owner_check import OwnerViolation
@@ -99,25 +99,27 @@ class Worker:
 
 
 class WorkerChannel:
-    """The scheduler's end of the connection to one worker (in-process for now)."""
+    """The scheduler's end of the connection to one worker (in-process for now).
 
-    def __init__(self, worker: Worker) -> None:
+    `compute`: the thread of the worker's device; it runs one message at a time, so a worker (and
+    every worker sharing the device) runs one step at a time."""
+
+    def __init__(self, worker: Worker, compute: ComputeThread) -> None:
         self.worker = worker
+        self.compute = compute
         self.role = worker.role
         self._encoder = msgspec.msgpack.Encoder()
         self._request_decoder = msgspec.msgpack.Decoder(WorkerRequest)
         self._reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
-        self._limiter = anyio.CapacityLimiter(1)  # one step at a time per worker
 
     def _serve(self, payload: bytes) -> bytes:
         return self._encoder.encode(self.worker.execute(self._request_decoder.decode(payload)))
 
     async def restart(self) -> None:
         """Restart the worker (a new incarnation, see Worker.restart), between steps."""
-        await anyio.to_thread.run_sync(self.worker.restart, limiter=self._limiter)
+        await self.compute.run(self.worker.restart)
 
     async def call(self, request: WorkerRequest) -> WorkerReply:
         payload = self._encoder.encode(request)
-        # Not cancellable mid-step: the step owns its pages until it returns.
-        reply = await anyio.to_thread.run_sync(self._serve, payload, limiter=self._limiter)
+        reply = await self.compute.run(self._serve, payload)  # not cancellable mid-step
         return self._reply_decoder.decode(reply)

@@ -10,6 +10,7 @@ from anyio.abc import TaskGroup
 
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
 from kvfence.engine.llama import LlamaModel
@@ -18,6 +19,21 @@ from kvfence.engine.worker import Worker, WorkerChannel
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import Scheduler
 from kvfence.transports.base import Transport
+
+
+_compute: ComputeThread | None = None
+
+
+def compute_thread() -> ComputeThread:
+    """The one CPU compute thread of this test process (a server has one per device)."""
+    global _compute
+    if _compute is None:
+        _compute = ComputeThread("test-compute")
+    return _compute
+
+
+def channel(worker: Worker) -> WorkerChannel:
+    return WorkerChannel(worker, compute_thread())
 
 
 def make_worker(checkpoint: Checkpoint, role: str, num_pages: int, page_size: int) -> Worker:
@@ -44,7 +60,7 @@ async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config
     page = config.page_size_tokens
     if mode == "colocated":
         w = make_worker(checkpoint, "colocated", num_pages, page)
-        scheduler = Scheduler(config, checkpoint.tokenizer, WorkerChannel(w), None, prefill_pages=num_pages,
+        scheduler = Scheduler(config, checkpoint.tokenizer, channel(w), None, prefill_pages=num_pages,
                               decode_pages=num_pages)
         await scheduler.run(tg)
         return Serving(scheduler, [w], [])
@@ -55,7 +71,7 @@ async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config
         options = {"hub": InProcessHub()}
     roles = [(w.pool, role_record(w.pool, "tiny", config.max_context_tokens)) for w in (pw, dw)]
     paired = await pair_workers(tg, mode, roles[0], roles[1], faults, options)
-    scheduler = Scheduler(config, checkpoint.tokenizer, WorkerChannel(pw), WorkerChannel(dw), prefill_pages=num_pages,
+    scheduler = Scheduler(config, checkpoint.tokenizer, channel(pw), channel(dw), prefill_pages=num_pages,
                           decode_pages=num_pages, link=paired.link)
     await scheduler.run(tg)
     return Serving(scheduler, [pw, dw], paired.endpoints)

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
 from kvfence.app.config import ServeConfig, load_config
 from kvfence.app.sizing import (
     PoolPlan, SizingVerdict, UndersizedPoolError, check_sizing, plan_pools, render_table, resolve_context,
@@ -204,15 +206,21 @@ def test_build_workers_allocates_the_planned_pools(smollm2: Checkpoint) -> None:
     assert workers.decode is not None
     assert (workers.prefill.role, workers.prefill.pool.num_pages) == ("prefill", 24)
     assert (workers.decode.role, workers.decode.pool.num_pages) == ("decode", 64)  # 4 x 256 / 16
+    # Both roles are on the CPU: one compute thread runs them both (engine/compute.py).
+    assert list(workers.compute) == [torch.device("cpu")]
+    assert workers.compute_of(workers.prefill) is workers.compute_of(workers.decode)
+    workers.close()
     colocated = build_workers(ServeConfig(**base, disaggregation="off", decode_kv_memory="12MiB"), smollm2)
     assert colocated.decode is None
     assert (colocated.prefill.role, colocated.prefill.pool.num_pages) == ("colocated", 12 * 2**20 // (46_080 * 16))
     assert workers.max_context_tokens == colocated.max_context_tokens == 256
+    colocated.close()
     with pytest.raises(UndersizedPoolError, match="holds 16 tokens"):  # refused before allocating
         build_workers(ServeConfig(**base, disaggregation="off", decode_kv_memory="1MiB"), smollm2)
     clamped = build_workers(ServeConfig(**base, disaggregation="off", decode_kv_memory="1MiB", clamp_context=True),
                             smollm2)
     assert clamped.max_context_tokens == 16
+    clamped.close()
 
 
 def kvfence_check(*args: str) -> subprocess.CompletedProcess[str]:
