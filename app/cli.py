@@ -46,7 +46,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve the largest context every KV pool holds instead of refusing an undersized pool")
     p.add_argument("--max-running", type=int, default=None, help="requests holding pages at once")
     p.add_argument("--max-queue", type=int, default=None, help="requests waiting for pages before 503")
-    p.add_argument("--chunk-tokens", type=int, default=None, help="prefill chunk size in tokens")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="prefill tokens per step (default: 128 when prefill runs on a CPU, 512 on a GPU)")
     p.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--kv-scrub", default=None, choices=["poison", "zero", "off"],

@@ -103,10 +103,11 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
                 tg.cancel_scope.cancel()
                 return 1
             link, transports, context = paired.link, paired.endpoints, paired.max_context_tokens
+        chunk_tokens = config.chunk_tokens_for(workers.prefill.device.type)
         scheduler = Scheduler(
             SchedulerConfig(page_size_tokens=config.page_size_tokens, max_context_tokens=context,
                             max_running=config.max_running, max_queue=config.max_queue,
-                            chunk_tokens=config.chunk_tokens, disaggregated=workers.decode is not None,
+                            chunk_tokens=chunk_tokens, disaggregated=workers.decode is not None,
                             transfer_timeout_s=config.transfer_timeout_s, queue_timeout_s=config.queue_timeout_s),
             checkpoint.tokenizer, WorkerChannel(workers.prefill, workers.compute_of(workers.prefill)),
             WorkerChannel(workers.decode, workers.compute_of(workers.decode)) if workers.decode is not None else None,
@@ -128,8 +129,9 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
         shutdown = anyio.Event()
         tg.start_soon(_drain_on_signal, scheduler, shutdown, config.shutdown_timeout_s)
         tg.start_soon(canary.run, name="readiness-canary")
-        log.info("serving %s on http://%s:%d (context %d tokens, %s)", model_name, config.host, config.port,
-                 context, "disaggregated" if workers.decode is not None else "colocated")
+        log.info("serving %s on http://%s:%d (context %d tokens, prefill chunks of %d tokens, %s)", model_name,
+                 config.host, config.port, context, chunk_tokens,
+                 "disaggregated" if workers.decode is not None else "colocated")
         served = anyio.Event()
 
         async def run_http() -> None:

@@ -35,6 +35,25 @@ class AttentionBatch:
     decode_page_table: torch.Tensor  # [num_decode, max_pages] int64, padded with page 0
     decode_kv_bias: torch.Tensor  # [num_decode, 1, 1, max_pages * page_size] float32: 0 or -inf
     prefills: list[PrefillSpan]
+    _decode_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def decode_rows(self, kv_heads: int, page_stride_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What decode attention reads, made by the first layer of a step and reused by the others.
+
+        rows: [num_decode * kv_heads * max_pages] int64, in (sequence, KV head, page) order, of a
+        pool layer seen as rows of [page_size, head_dim] tiles where page p's head h is row
+        p * page_stride_rows + h; one index_select then yields every sequence's keys per KV head
+        back to back.
+        bias: [num_decode * kv_heads, 1, max_pages * page_size], decode_kv_bias per (sequence, KV head)."""
+        cached = self._decode_rows.get((kv_heads, page_stride_rows))
+        if cached is None:
+            table = self.decode_page_table
+            heads = torch.arange(kv_heads, device=table.device)
+            rows = (table.unsqueeze(1) * page_stride_rows + heads.view(1, kv_heads, 1)).flatten()
+            keys = self.decode_kv_bias.shape[-1]
+            bias = self.decode_kv_bias.view(-1, 1, 1, keys).expand(-1, kv_heads, 1, keys).reshape(-1, 1, keys)
+            cached = self._decode_rows[(kv_heads, page_stride_rows)] = (rows, bias)
+        return cached
 
 
 def build_attention_batch(
@@ -86,25 +105,42 @@ def store_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
     values[batch.slot_pages, :, batch.slot_offsets] = v
 
 
-def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                      bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, heads, D]; table: [B, P] -> [B, heads, D].
+def _tile_rows(layer: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A [num_pages, kv_heads, S, D] layer view whose pages are evenly spaced in memory (the pool's
+    page-major layout, or a plain contiguous tensor) as rows of [S, D] tiles over the same memory,
+    and the row stride of one page: page p's head h is row p * stride + h."""
+    num_pages, kv_heads, page_size, head_dim = layer.shape
+    tile = page_size * head_dim
+    if layer.stride()[1:] != (tile, head_dim, 1) or layer.stride(0) % tile:
+        raise ValueError(f"decode attention needs [page_size, head_dim] tiles laid out page after page, "
+                         f"got strides {layer.stride()} for shape {tuple(layer.shape)}")
+    stride = layer.stride(0) // tile
+    rows = (num_pages - 1) * stride + kv_heads
+    return layer.as_strided((rows, page_size, head_dim), (tile, head_dim, 1)), stride
 
-    Scores are computed page by page on the gathered pages ([B, P, kvh, S, D], no transposed copy
-    of K or V), then one softmax runs over all keys of a sequence. The query heads that share a KV
-    head form the rows of each small matmul, so GQA needs no expanded K/V.
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttentionBatch,
+                      scale: float) -> torch.Tensor:
+    """q: [B, heads, D] -> [B, heads, D], one query per sequence over its pages.
+
+    One index_select per K and V gathers each (sequence, KV head)'s pages back to back
+    ([B * kvh, P * S, D], no transposed copy); the query heads that share a KV head are the rows
+    of one matmul, so GQA needs no expanded K/V. Scores, scale and the -inf bias of keys past a
+    sequence's length are one baddbmm, then softmax and one bmm with V.
     """
-    b, p = table.shape
-    _, kv_heads, page_size, head_dim = keys.shape
+    kv_heads, head_dim = keys.shape[1], keys.shape[3]
+    key_rows, stride = _tile_rows(keys)
+    value_rows, value_stride = _tile_rows(values)
+    if value_stride != stride:
+        raise ValueError(f"keys and values must share a layout, got page strides {stride} and {value_stride}")
+    rows, bias = batch.decode_rows(kv_heads, stride)
+    b = q.shape[0]
     group = q.shape[1] // kv_heads
-    k = keys.index_select(0, table.flatten()).view(b, p, kv_heads, page_size, head_dim)
-    v = values.index_select(0, table.flatten()).view(b, p, kv_heads, page_size, head_dim)
-    qg = q.view(b, 1, kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, P, kvh, G, S]
-    scores = scores.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group, p * page_size).float()
-    probs = torch.softmax(scores * scale + bias, dim=-1).to(q.dtype)  # [B, kvh, G, P*S]
-    probs = probs.view(b, kv_heads, group, p, page_size).permute(0, 3, 1, 2, 4)  # [B, P, kvh, G, S]
-    return torch.matmul(probs, v).sum(1).view(b, kv_heads * group, head_dim)
+    k = key_rows.index_select(0, rows).view(b * kv_heads, -1, head_dim)
+    v = value_rows.index_select(0, rows).view(b * kv_heads, -1, head_dim)
+    scores = torch.baddbmm(bias.to(q.dtype), q.reshape(b * kv_heads, group, head_dim), k.transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B * kvh, G, P * S]
+    return torch.bmm(probs, v).view(b, kv_heads * group, head_dim)
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -116,7 +152,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = torch.empty_like(q)
     nd = batch.num_decode
     if nd:
-        out[:nd] = _decode_attention(q[:nd], keys, values, batch.decode_page_table, batch.decode_kv_bias, scale)
+        out[:nd] = _decode_attention(q[:nd], keys, values, batch, scale)
     for span in batch.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         kv_len = span.context_tokens + span.num_tokens

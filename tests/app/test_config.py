@@ -22,6 +22,7 @@ def test_precedence(tmp_path: Path) -> None:
     ({"port": 70000}, "--port must be in"),
     ({"max_running": 0}, "--max-running must be > 0"),
     ({"decode_num_pages": -1}, "--decode-num-pages must be > 0"),
+    ({"chunk_tokens": 0}, "--chunk-tokens must be > 0"),
     ({"prefill_kv_memory": "lots"}, "cannot read 'lots' as a size"),
 ])
 def test_bad_values(flags: dict, message: str) -> None:
@@ -64,3 +65,11 @@ def test_fault_injection_setting() -> None:
     assert load_config({}, {}, None).fault_inject == ""  # off unless configured
     with pytest.raises(ValueError, match="unknown fault"):
         load_config({"fault_inject": "explode"}, {}, None)
+
+
+def test_prefill_chunk_default_follows_the_prefill_device() -> None:
+    # A CPU prefill step holds up the decode steps on the same cores: smaller chunks there.
+    assert ServeConfig().chunk_tokens_for("cpu") == 128
+    assert ServeConfig().chunk_tokens_for("cuda") == 512
+    assert ServeConfig(chunk_tokens=64).chunk_tokens_for("cuda") == 64
+    assert load_config({}, {"KVFENCE_CHUNK_TOKENS": "256"}, None).chunk_tokens_for("cpu") == 256

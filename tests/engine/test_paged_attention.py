@@ -22,17 +22,22 @@ def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_st
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "page_major"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_paged_equals_contiguous(seed: int, page_size: int) -> None:
+def test_paged_equals_contiguous(seed: int, page_size: int, layout: str) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kv_heads = rng.choice([1, 2, 3])
     heads = kv_heads * rng.choice([1, 2, 3])
     head_dim = rng.choice([8, 16, 64])
     num_pages = 7 * 64 // page_size + 7  # enough for 7 sequences of up to 64 tokens
-    keys = torch.randn(num_pages, kv_heads, page_size, head_dim)
-    values = torch.randn(num_pages, kv_heads, page_size, head_dim)
+    if layout == "contiguous":
+        keys = torch.randn(num_pages, kv_heads, page_size, head_dim)
+        values = torch.randn(num_pages, kv_heads, page_size, head_dim)
+    else:  # one layer of a KVPool: [pages, layers, K|V, kv_heads, page_size, head_dim]
+        data = torch.randn(num_pages, 3, 2, kv_heads, page_size, head_dim)
+        keys, values = data[:, 1, 0], data[:, 1, 1]
     free = list(range(num_pages))
     rng.shuffle(free)  # page tables are scattered, not contiguous
 
@@ -72,3 +77,10 @@ def test_store_kv_writes_only_named_slots() -> None:
     written = (keys[:, 0] != 0).any(-1).nonzero().tolist()
     assert written == [[0, 0], [2, 3]]  # page 2 offset 3, then page 0 offset 0
     assert values[2, 0, 3].eq(2).all() and values[0, 0, 0].eq(2).all()
+
+
+def test_decode_refuses_a_layout_without_page_tiles() -> None:
+    keys = torch.randn(4, 16, 2, 8).transpose(1, 2)  # [pages, kv_heads, page_size, head_dim], tokens outermost
+    batch = build_attention_batch(16, [([1, 2], 20)], [], torch.device("cpu"))
+    with pytest.raises(ValueError, match="page_size, head_dim\\] tiles"):
+        paged_attention(torch.randn(1, 2, 8), keys, keys, batch)
