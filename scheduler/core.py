@@ -285,7 +285,7 @@ class Scheduler:
 
     async def _send(self, pool: WorkerPool, seqs: list[SeqStep]) -> WorkerReply:
         """One RunStep to `pool`'s worker, carrying its pending tag changes; its reply."""
-        return await pool.channel.call(pool.message(self._next_step_id(), seqs))
+        return await pool.call(self._next_step_id(), seqs)
 
     def _prefilled(self, chunks: list[tuple[Request, SeqStep]], tokens: list[int | None]) -> list[tuple[Request, int]]:
         """Count each chunk of a step that ran as prefilled; the requests whose whole prompt is now
@@ -397,8 +397,15 @@ class Scheduler:
     async def _transfer_unguarded(self, req: Request) -> None:
         if self.link is None:
             raise RuntimeError("a transfer needs a transfer link")
-        # Tag the destination pages before any byte can land in them.
-        self._observe(self.decode, await self._send(self.decode, []))
+        # The destination pages carry this lease's tag, and any earlier owner's release (and scrub)
+        # has been applied, before any byte can land in them: wait for the message that carried the
+        # grant, or send one if it is still pending.
+        lease = id_hex(req.decode_lease)
+        if self.decode.grant_sent(lease):
+            await self.decode.tags_applied(lease)
+        else:
+            self._observe(self.decode, await self._send(self.decode, []))
+        self.decode.forget_grant(lease)
         result = await self.link.move(len(req.prompt), req.prefill_pages, req.decode_pages, req.decode_lease,
                                       timeout_s=self.config.transfer_timeout_s)
         self.transferring.discard(req)

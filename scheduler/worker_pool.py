@@ -5,12 +5,18 @@ Every message to the worker carries that incarnation; a worker that restarted re
 built for an earlier one before applying any of it, and every reply names the worker's current
 incarnation, so the scheduler learns of a restart from the first reply after it (a heartbeat
 makes sure that is within about a second even when nothing runs).
+
+The worker runs its messages in the order they were built (one compute thread, first in first
+out), so a reply to message n means every message up to n has been applied: `tags_applied` waits
+for the message that carried a lease's grant instead of sending another one behind the queue.
 """
 
 from __future__ import annotations
 
+import anyio
+
 from kvfence.engine.worker import WorkerChannel
-from kvfence.scheduler.messages import Landing, PageGrant, RunStep, SeqStep, WorkerReply, id_from_hex
+from kvfence.scheduler.messages import Landing, PageGrant, RunStep, SeqStep, WorkerReply, id_from_hex, id_hex
 from kvfence.scheduler.page_ledger import PageLedger
 
 
@@ -22,6 +28,10 @@ class WorkerPool:
         self.released: list[int] = []
         self.landed: list[Landing] = []  # verified transfers, for the worker's KV sanitizer
         self.incarnation = ""  # learned from the first reply
+        self._built = 0  # messages built for this worker, in the order it runs them
+        self._answered = 0  # the highest of them whose reply came back
+        self._answer = anyio.Event()  # set (and replaced) on every reply
+        self._grant_message: dict[str, int] = {}  # lease (hex) -> the message that carried its grant
 
     @property
     def role(self) -> str:
@@ -30,6 +40,7 @@ class WorkerPool:
     def release(self, lease: int) -> None:
         if lease:
             self.released.extend(self.ledger.release(lease))
+            self._grant_message.pop(id_hex(lease), None)
 
     def message(self, step_id: int, seqs: list[SeqStep]) -> RunStep:
         # A grant or landing of a lease that ended before it was sent names pages that are no
@@ -38,7 +49,34 @@ class WorkerPool:
         landed = [x for x in self.landed if self.ledger.holds(id_from_hex(x.lease))]
         msg = RunStep(step_id, seqs, live, self.released, landed, self.incarnation)
         self.grants, self.released, self.landed = [], [], []
+        self._built += 1
+        for grant in live:
+            self._grant_message[grant.lease] = self._built
         return msg
+
+    async def call(self, step_id: int, seqs: list[SeqStep]) -> WorkerReply:
+        """Build the next message (with every pending tag change) and send it; its reply."""
+        msg, number = self.message(step_id, seqs), self._built
+        try:
+            return await self.channel.call(msg)
+        finally:  # applied or refused: the worker is past it either way
+            self._answered = max(self._answered, number)
+            self._answer.set()
+            self._answer = anyio.Event()
+
+    def grant_sent(self, lease: str) -> bool:
+        """Whether the grant of `lease` (hex) has left in a message (it may not have run yet)."""
+        return lease in self._grant_message
+
+    async def tags_applied(self, lease: str) -> None:
+        """Until the message that carried the grant of `lease` (hex) has been answered, so the
+        worker has applied it and every release before it. The grant must have been sent."""
+        number = self._grant_message[lease]
+        while self._answered < number:
+            await self._answer.wait()
+
+    def forget_grant(self, lease: str) -> None:
+        self._grant_message.pop(lease, None)
 
     def restarted(self, reply: WorkerReply) -> bool:
         """Adopt the reply's incarnation; True when it replaces a known, different one."""

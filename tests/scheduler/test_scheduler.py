@@ -281,3 +281,38 @@ async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed
     ids, _, reason, error = await collect(s.submit(ps[1], params))
     assert (ids, reason, error) == (offline_greedy(tiny, [ps[1]], 6)[0][0], "length", None)
     await wait_idle(harness.scheduler)
+
+
+@pytest.mark.anyio
+async def test_every_transfer_lands_in_pages_already_tagged_for_its_lease(tiny: Checkpoint) -> None:
+    """A transfer starts only once the decode worker has applied its grant (and every release of
+    the same pages before it), whether that took a message of its own or rode on a decode step.
+    A small pool makes pages change hands between requests while others decode."""
+    config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, max_running=6, max_queue=32,
+                             chunk_tokens=16, disaggregated=True, transfer_timeout_s=10)
+    async with anyio.create_task_group() as tg:
+        serving = await start_serving(tg, tiny, "tcp", config, num_pages=40)
+        scheduler, decode_pool = serving.scheduler, serving.workers[1].pool
+        assert scheduler.link is not None
+        move, checked = scheduler.link.move, []
+
+        async def checked_move(num_tokens: int, src: list[int], dst: list[int], lease: int, timeout_s: float):
+            checked.append([decode_pool.owner(p) == lease for p in dst])
+            return await move(num_tokens, src, dst, lease, timeout_s)
+
+        scheduler.link.move = checked_move  # type: ignore[method-assign]
+        ps = prompts(16)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        results = [None] * len(ps)
+
+        async def run(i: int) -> None:
+            results[i] = await collect(scheduler.submit(ps[i], params))
+
+        async with anyio.create_task_group() as inner:
+            for i in range(len(ps)):
+                inner.start_soon(run, i)
+        assert all(r is not None and r[2] == "length" for r in results), results
+        assert len(checked) == len(ps) and all(all(tags) for tags in checked), checked
+        await wait_idle(scheduler)
+        await serving.aclose()
+        tg.cancel_scope.cancel()
