@@ -185,7 +185,13 @@ def server_smoke(args: argparse.Namespace) -> tuple[bool, list[str]]:
     if args.dry_run:
         serve += ["--dtype", "float32", "--prefill-device", "cpu", "--decode-device", "cpu", "--max-context", "256"]
     else:
-        serve += ["--dtype", "bfloat16", "--prefill-device", "cuda:0", "--decode-device", "cuda:0",
+        import torch
+
+        # Two GPUs: prefill on one and decode on the other, the first real deployment of the design.
+        decode_device = "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
+        lines.append(f"placement: prefill cuda:0, decode {decode_device} "
+                     f"({torch.cuda.device_count()} GPUs visible)")
+        serve += ["--dtype", "bfloat16", "--prefill-device", "cuda:0", "--decode-device", decode_device,
                   "--max-context", "4096"]
     helptext = subprocess.run([sys.executable, "-m", "kvfence.app.cli", "serve", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=60).stdout
