@@ -102,7 +102,11 @@ class WorkerChannel:
     """The scheduler's end of the connection to one worker (in-process for now).
 
     `compute`: the thread of the worker's device; it runs one message at a time, so a worker (and
-    every worker sharing the device) runs one step at a time."""
+    every worker sharing the device) runs one step at a time.
+
+    Contract: a worker runs its messages in the order `call` was entered. The scheduler relies on
+    it (a reply to one message means every earlier one was applied: WorkerPool.tags_applied); a
+    channel to a worker in another process must keep one ordered stream per worker."""
 
     def __init__(self, worker: Worker, compute: ComputeThread) -> None:
         self.worker = worker
