@@ -35,24 +35,27 @@ class AttentionBatch:
     decode_page_table: torch.Tensor  # [num_decode, max_pages] int64, padded with page 0
     decode_kv_bias: torch.Tensor  # [num_decode, 1, 1, max_pages * page_size] float32: 0 or -inf
     prefills: list[PrefillSpan]
-    _decode_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict, repr=False)
+    _decode_rows: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=dict, repr=False)
 
-    def decode_rows(self, kv_heads: int, page_stride_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_rows(self, kv_heads: int, page_stride_rows: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """What decode attention reads, made by the first layer of a step and reused by the others.
 
         rows: [num_decode * kv_heads * max_pages] int64, in (sequence, KV head, page) order, of a
         pool layer seen as rows of [page_size, head_dim] tiles where page p's head h is row
         p * page_stride_rows + h; one index_select then yields every sequence's keys per KV head
         back to back.
-        bias: [num_decode * kv_heads, 1, max_pages * page_size], decode_kv_bias per (sequence, KV head)."""
-        cached = self._decode_rows.get((kv_heads, page_stride_rows))
+        bias: [num_decode * kv_heads, 1, max_pages * page_size], decode_kv_bias per (sequence, KV head)
+        in `dtype`."""
+        cached = self._decode_rows.get((kv_heads, page_stride_rows, dtype))
         if cached is None:
             table = self.decode_page_table
             heads = torch.arange(kv_heads, device=table.device)
             rows = (table.unsqueeze(1) * page_stride_rows + heads.view(1, kv_heads, 1)).flatten()
             keys = self.decode_kv_bias.shape[-1]
             bias = self.decode_kv_bias.view(-1, 1, 1, keys).expand(-1, kv_heads, 1, keys).reshape(-1, 1, keys)
-            cached = self._decode_rows[(kv_heads, page_stride_rows)] = (rows, bias)
+            cached = self._decode_rows[(kv_heads, page_stride_rows, dtype)] = (rows, bias.to(dtype))
         return cached
 
 
@@ -133,12 +136,12 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     value_rows, value_stride = _tile_rows(values)
     if value_stride != stride:
         raise ValueError(f"keys and values must share a layout, got page strides {stride} and {value_stride}")
-    rows, bias = batch.decode_rows(kv_heads, stride)
+    rows, bias = batch.decode_rows(kv_heads, stride, q.dtype)
     b = q.shape[0]
     group = q.shape[1] // kv_heads
     k = key_rows.index_select(0, rows).view(b * kv_heads, -1, head_dim)
     v = value_rows.index_select(0, rows).view(b * kv_heads, -1, head_dim)
-    scores = torch.baddbmm(bias.to(q.dtype), q.reshape(b * kv_heads, group, head_dim), k.transpose(1, 2), alpha=scale)
+    scores = torch.baddbmm(bias, q.reshape(b * kv_heads, group, head_dim), k.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B * kvh, G, P * S]
     return torch.bmm(probs, v).view(b, kv_heads * group, head_dim)
 

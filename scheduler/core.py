@@ -390,7 +390,7 @@ class Scheduler:
             log.exception("request %s: transfer task failed", req.request_id)
             self.transferring.discard(req)
             if req.decode_lease:  # whatever the transport did is unknown: keep the pages out
-                self.decode.ledger.quarantine(req.decode_lease)
+                self.decode.quarantine(req.decode_lease)
                 req.decode_lease = 0
             self._end(req, RequestError(500, "kv_transfer_failed", "the KV transfer failed on the server"))
 
@@ -400,12 +400,8 @@ class Scheduler:
         # The destination pages carry this lease's tag, and any earlier owner's release (and scrub)
         # has been applied, before any byte can land in them: wait for the message that carried the
         # grant, or send one if it is still pending.
-        lease = id_hex(req.decode_lease)
-        if self.decode.grant_sent(lease):
-            await self.decode.tags_applied(lease)
-        else:
+        if not await self.decode.tags_applied(id_hex(req.decode_lease)):
             self._observe(self.decode, await self._send(self.decode, []))
-        self.decode.forget_grant(lease)
         result = await self.link.move(len(req.prompt), req.prefill_pages, req.decode_pages, req.decode_lease,
                                       timeout_s=self.config.transfer_timeout_s)
         self.transferring.discard(req)
@@ -414,7 +410,7 @@ class Scheduler:
         self.prefill.release(req.prefill_lease)
         req.prefill_lease = 0
         if not result.quiet:  # a write may still land: the destination pages stay out of the free list
-            self.decode.ledger.quarantine(req.decode_lease)
+            self.decode.quarantine(req.decode_lease)
             req.decode_lease = 0
         if req.abort_requested:
             self._end(req, req.abort_error or RequestError(499, "client_closed", "the client closed the request"),

@@ -42,6 +42,11 @@ class WorkerPool:
             self.released.extend(self.ledger.release(lease))
             self._grant_message.pop(id_hex(lease), None)
 
+    def quarantine(self, lease: int) -> None:
+        """Keep the lease's pages out of the free list (a write may still land in them)."""
+        self.ledger.quarantine(lease)
+        self._grant_message.pop(id_hex(lease), None)
+
     def message(self, step_id: int, seqs: list[SeqStep]) -> RunStep:
         # A grant or landing of a lease that ended before it was sent names pages that are no
         # longer its own: drop it rather than tag free pages with a dead lease.
@@ -64,19 +69,16 @@ class WorkerPool:
             self._answer.set()
             self._answer = anyio.Event()
 
-    def grant_sent(self, lease: str) -> bool:
-        """Whether the grant of `lease` (hex) has left in a message (it may not have run yet)."""
-        return lease in self._grant_message
-
-    async def tags_applied(self, lease: str) -> None:
-        """Until the message that carried the grant of `lease` (hex) has been answered, so the
-        worker has applied it and every release before it. The grant must have been sent."""
-        number = self._grant_message[lease]
+    async def tags_applied(self, lease: str) -> bool:
+        """Wait until the message that carried the grant of `lease` (hex) has been answered, so the
+        worker has applied it and every release before it; False at once when the grant has not
+        left yet (it is still pending: the next message carries it)."""
+        number = self._grant_message.get(lease)
+        if number is None:
+            return False
         while self._answered < number:
             await self._answer.wait()
-
-    def forget_grant(self, lease: str) -> None:
-        self._grant_message.pop(lease, None)
+        return True
 
     def restarted(self, reply: WorkerReply) -> bool:
         """Adopt the reply's incarnation; True when it replaces a known, different one."""

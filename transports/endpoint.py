@@ -15,10 +15,13 @@ import anyio
 import torch
 from anyio.abc import TaskGroup, TaskStatus
 
-from kvfence.transports.base import EndpointInfo, PairingRecord, TransferManifest, TransferResult, Transport
+from kvfence.transports.base import (
+    EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult, Transport,
+)
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES, PoolView
 from kvfence.transports.receiver import PoolReceiver
 from kvfence.transports.sender_state import OutgoingPushes
+from kvfence.transports.tcp_wire import HelloReply
 
 
 def pairing_problem(mine: EndpointInfo, theirs: EndpointInfo) -> str | None:
@@ -26,6 +29,19 @@ def pairing_problem(mine: EndpointInfo, theirs: EndpointInfo) -> str | None:
     if mine.transport != theirs.transport:
         return f"transport: {mine.transport!r} != {theirs.transport!r}"
     return mine.record.mismatch(theirs.record)
+
+
+def check_pair(mine: EndpointInfo, peer: EndpointInfo, refusal: str | None, theirs: EndpointInfo) -> None:
+    """The pairing verdict on our side once `peer` answered (`refusal`: its reason to refuse, or
+    None; `theirs`: the info it answered with): PairingRefused when it refused, its record does not
+    match ours, or it is another incarnation than `peer` announced."""
+    if refusal is not None:
+        raise PairingRefused(f"{peer.address} refused to pair: {refusal}")
+    if problem := pairing_problem(mine, theirs):
+        raise PairingRefused(f"refusing to pair with {peer.address}: {problem}")
+    if theirs.record.incarnation != peer.record.incarnation:
+        raise PairingRefused(f"{peer.address} is incarnation {theirs.record.incarnation!r}, "
+                             f"not {peer.record.incarnation!r}")
 
 
 class PoolEndpoint(Transport):
@@ -112,6 +128,24 @@ class ListeningEndpoint(PoolEndpoint):
 
     def _stop_serving(self) -> None:
         raise NotImplementedError
+
+    def _check_pairable(self, peer: EndpointInfo) -> None:
+        """Before dialing `peer`: RuntimeError when not serving, PairingRefused for another transport."""
+        if self._tg is None or self._closed or self._stopped.is_set():
+            raise RuntimeError(f"{self.name} transport is not serving")
+        if peer.transport != self.name:
+            raise PairingRefused(f"transport: {self.name!r} != {peer.transport!r}")
+
+    def _check_hello_reply(self, peer: EndpointInfo, reply: object) -> HelloReply:
+        """The peer's answer to our Hello, checked: ConnectionError for anything but a HelloReply,
+        PairingRefused when it refused, its record does not match ours, or it is another incarnation
+        than `peer` announced; RuntimeError when this endpoint closed meanwhile."""
+        if not isinstance(reply, HelloReply):
+            raise ConnectionError(f"{peer.address}: expected hello_reply, got {type(reply).__name__}")
+        check_pair(self.info, peer, None if reply.accepted else reply.reason, reply.info)
+        if self._closed or self._stopped.is_set():
+            raise RuntimeError(f"{self.name} transport closed while pairing")
+        return reply
 
     async def _serve(self, *, task_status: TaskStatus[None]) -> None:
         try:

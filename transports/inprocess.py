@@ -25,7 +25,7 @@ from anyio.abc import TaskGroup
 from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
                                      TransferResult)
 from kvfence.transports.digest import page_digest
-from kvfence.transports.endpoint import PoolEndpoint, pairing_problem
+from kvfence.transports.endpoint import PoolEndpoint, check_pair, pairing_problem
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
 from kvfence.transports.staging import SourcePages
 
@@ -93,13 +93,7 @@ class InProcessTransport(PoolEndpoint):
         remote = self.hub.lookup(peer.address)
         if remote is None:
             raise ConnectionRefusedError(f"no in-process endpoint at {peer.address!r}")
-        if problem := remote._accept_pairing(self.info):
-            raise PairingRefused(f"{peer.address} refused to pair: {problem}")
-        if problem := pairing_problem(self.info, remote.info):
-            raise PairingRefused(f"refusing to pair with {peer.address}: {problem}")
-        if remote.info.record.incarnation != peer.record.incarnation:
-            raise PairingRefused(f"{peer.address} is incarnation {remote.info.record.incarnation!r}, "
-                                 f"not {peer.record.incarnation!r}")
+        check_pair(self.info, peer, remote._accept_pairing(self.info), remote.info)
         await anyio.lowlevel.checkpoint()
         self._remotes = [r for r in self._remotes if r is not remote] + [remote]
         return InProcessPeer(self, remote.info, remote)

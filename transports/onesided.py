@@ -42,14 +42,14 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
-from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
+from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
 from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.endpoint import ListeningEndpoint, pairing_problem
+from kvfence.transports.endpoint import ListeningEndpoint
 from kvfence.transports.onesided_link import Link
 from kvfence.transports.onesided_receive import ReceiverHalf, answer_hello
 from kvfence.transports.onesided_send import SenderHalf
-from kvfence.transports.onesided_wire import MAX_HELLO, Hello, HelloReply, recv_message, send_message
+from kvfence.transports.onesided_wire import MAX_HELLO, Hello, recv_message, send_message
 from kvfence.transports.tcp import listen_endpoint, split_address
 from kvfence.transports.tcp_io import Channel, ConnectionGone, accept_forever, connect
 from kvfence.transports.tcp_wire import ProtocolError
@@ -185,27 +185,13 @@ class OneSidedTransport(ListeningEndpoint):
         """Connect to `peer` and pair. PairingRefused on any mismatch (either side's verdict);
         OSError (ConnectionError) when unreachable, not speaking this protocol, or its data
         plane cannot be reached; TimeoutError when the handshake stalls."""
-        if self._tg is None or self._closed or self._stopped.is_set():
-            raise RuntimeError(f"{self.name} transport is not serving")
-        if peer.transport != self.name:
-            raise PairingRefused(f"transport: {self.name!r} != {peer.transport!r}")
+        self._check_pairable(peer)
         link = Link(Channel(await connect(*split_address(peer.address))))
         try:
             with anyio.fail_after(self.handshake_timeout_s):
                 async with link.channel.send_lock:
                     await send_message(link.channel, Hello(self.info))
-                reply = await recv_message(link.channel, MAX_HELLO)
-            if not isinstance(reply, HelloReply):
-                raise ConnectionError(f"{peer.address}: expected hello_reply, got {type(reply).__name__}")
-            if not reply.accepted:
-                raise PairingRefused(f"{peer.address} refused to pair: {reply.reason}")
-            if problem := pairing_problem(self.info, reply.info):
-                raise PairingRefused(f"refusing to pair with {peer.address}: {problem}")
-            if reply.info.record.incarnation != peer.record.incarnation:
-                raise PairingRefused(f"{peer.address} is incarnation {reply.info.record.incarnation!r}, "
-                                     f"not {peer.record.incarnation!r}")
-            if self._closed or self._stopped.is_set():
-                raise RuntimeError(f"{self.name} transport closed while pairing")
+                reply = self._check_hello_reply(peer, await recv_message(link.channel, MAX_HELLO))
             try:
                 link.plane_peer = self.plane.connect(reply.plane)
             except Exception as e:

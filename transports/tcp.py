@@ -26,14 +26,14 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
-from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
+from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
-from kvfence.transports.endpoint import ListeningEndpoint, pairing_problem
+from kvfence.transports.endpoint import ListeningEndpoint
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
 from kvfence.transports.tcp_io import Channel, accept_forever, connect, listen
 from kvfence.transports.tcp_receive import serve_connection
 from kvfence.transports.tcp_send import SenderConnection
-from kvfence.transports.tcp_wire import MAX_HELLO, Hello, HelloReply
+from kvfence.transports.tcp_wire import MAX_HELLO, Hello
 
 
 class TcpPeer(Peer):
@@ -109,27 +109,13 @@ class TcpTransport(ListeningEndpoint):
         """Connect to `peer` and pair. PairingRefused on any mismatch (either side's verdict);
         OSError (ConnectionError) when unreachable or not speaking this protocol; TimeoutError
         when the handshake stalls."""
-        if self._tg is None or self._closed or self._stopped.is_set():
-            raise RuntimeError("tcp transport is not serving")
-        if peer.transport != self.name:
-            raise PairingRefused(f"transport: {self.name!r} != {peer.transport!r}")
+        self._check_pairable(peer)
         channel = Channel(await connect(*split_address(peer.address)))
         try:  # ProtocolError (an undecodable reply) is a ConnectionError too
             with anyio.fail_after(self.handshake_timeout):
                 async with channel.send_lock:
                     await channel.send_frame(Hello(self.info))
-                reply = await channel.recv_frame(MAX_HELLO)
-            if not isinstance(reply, HelloReply):
-                raise ConnectionError(f"{peer.address}: expected hello_reply, got {type(reply).__name__}")
-            if not reply.accepted:
-                raise PairingRefused(f"{peer.address} refused to pair: {reply.reason}")
-            if problem := pairing_problem(self.info, reply.info):
-                raise PairingRefused(f"refusing to pair with {peer.address}: {problem}")
-            if reply.info.record.incarnation != peer.record.incarnation:
-                raise PairingRefused(f"{peer.address} is incarnation {reply.info.record.incarnation!r}, "
-                                     f"not {peer.record.incarnation!r}")
-            if self._closed or self._stopped.is_set():
-                raise RuntimeError("tcp transport closed while pairing")
+                reply = self._check_hello_reply(peer, await channel.recv_frame(MAX_HELLO))
             connection = SenderConnection(channel, reply.info)
             self._tg.start_soon(connection.run)
         except BaseException:
