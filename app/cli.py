@@ -63,6 +63,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait for KV pages before it gets 503 (default 60)")
     p.add_argument("--transfer-timeout", type=float, default=None, dest="transfer_timeout_s",
                    help="seconds a KV transfer may take before it fails (its pages are quarantined)")
+    p.add_argument("--transport-secret-file", default=None,
+                   help="file holding the deployment secret the transport endpoints authenticate each other "
+                        "with (at least 32 bytes; also KVFENCE_TRANSPORT_SECRET_FILE); default: a fresh secret "
+                        "per process, enough when both workers live in it")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body accepted; a longer one gets 413 (default 16 MiB)")
+    p.add_argument("--stall-timeout", type=float, default=None, dest="stall_timeout_s",
+                   help="seconds a streaming client may read nothing before its request is aborted (default 30)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     p.add_argument("--log-level", default="info")
 
@@ -149,11 +157,14 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
+    from kvfence.transports.peer_auth import DeploymentSecret
 
     # Before any torch op here: only the devices' compute threads get intra-op threads (engine/compute.py).
     intra_op_threads = confine_to_one_intra_op_thread()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(vars(args), os.environ, args.config)
+    if config.transport_secret_file:  # an unreadable or short secret fails before any weight is read
+        DeploymentSecret.from_file(config.transport_secret_file)
     path = resolve_model(config.model, kvfence_home())
     # Refuse an undersized pool before reading any weights (build_workers checks again).
     model = _read_model_config(path)

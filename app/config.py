@@ -37,13 +37,16 @@ class ServeConfig:
     attention_backend: str = "auto"  # auto | torch | triton (engine/attention_backend.py)
     kv_sanitizer: bool = False  # shadow ledger of every KV slot's writer, checked on every read (tests)
     fault_inject: str = ""  # testing only: a transports.faults.FaultPlan spec for the sending side
+    transport_secret_file: str | None = None  # deployment secret of the transport endpoints (default: per process)
+    max_body_bytes: int = 16 << 20  # a request body longer than this gets 413 before it is read further
+    stall_timeout_s: float = 30.0  # a streaming client that reads nothing for this long is aborted
 
     def __post_init__(self) -> None:
         if self.disaggregation not in ("on", "off"):
             raise ValueError(f"--disaggregation must be 'on' or 'off', got {self.disaggregation!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("page_size_tokens", "max_running"):
+        for name in ("page_size_tokens", "max_running", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_num_pages", "decode_num_pages", "max_context", "chunk_tokens"):
@@ -61,6 +64,8 @@ class ServeConfig:
         if self.queue_timeout_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError(f"--queue-timeout and --transfer-timeout must be > 0 s, got "
                              f"{self.queue_timeout_s} and {self.transfer_timeout_s}")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"--stall-timeout must be > 0 s, got {self.stall_timeout_s}")
         if self.canary_interval_s <= 0:
             raise ValueError(f"--canary-interval must be > 0 s, got {self.canary_interval_s}")
         if self.shutdown_timeout_s < 0:

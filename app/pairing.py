@@ -22,6 +22,7 @@ from kvfence.scheduler.messages import id_hex
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRecord, PairingRefused, Transport
 from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
+from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.transports.registry import create_transport
 
 log = logging.getLogger(__name__)
@@ -46,14 +47,16 @@ class PairedWorkers:
 
 
 async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, PairingRecord],
-                       decode: tuple[KVPool, PairingRecord], fault_inject: str = "",
+                       decode: tuple[KVPool, PairingRecord], secret: DeploymentSecret, fault_inject: str = "",
                        options: dict[str, Any] | None = None) -> PairedWorkers:
-    """Start a `transport` endpoint per role (constructed with `options`) over its pool and pair
-    prefill -> decode; `fault_inject` (a FaultPlan spec) wraps the sending side.
+    """Start a `transport` endpoint per role (constructed with the deployment `secret` and
+    `options`) over its pool and pair prefill -> decode; `fault_inject` (a FaultPlan spec) wraps
+    the sending side.
 
     Raises PairingRefused (after logging it and closing both endpoints) when the records disagree."""
     (prefill_pool, prefill_record), (decode_pool, decode_record) = prefill, decode
-    sender, receiver = create_transport(transport, **(options or {})), create_transport(transport, **(options or {}))
+    sender = create_transport(transport, secret=secret, **(options or {}))
+    receiver = create_transport(transport, secret=secret, **(options or {}))
     endpoints = [sender, receiver]
     if fault_inject:
         log.warning("FAULT INJECTION is on for KV transfers: %s", fault_inject)
@@ -69,7 +72,7 @@ async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, Pai
             await endpoint.aclose()
         raise
     context = min(prefill_record.max_context_tokens, peer.info.record.max_context_tokens)
-    link = TransferLink(sender, receiver, peer, prefill_record.page_size_tokens, prefill_record.page_nbytes)
+    link = TransferLink(sender, receiver, peer, prefill_record.page_size_tokens, prefill_record.page_nbytes, secret)
     log.info("paired prefill -> decode over %s (%s); context limits %d and %d tokens, serving %d",
              transport, receiver_info.address, prefill_record.max_context_tokens,
              peer.info.record.max_context_tokens, context)

@@ -31,6 +31,7 @@ from kvfence.scheduler.core import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.transports.base import PairingRefused, Transport
+from kvfence.transports.peer_auth import DeploymentSecret
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,10 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
         if workers.decode is not None:
             model_id = model_identity(checkpoint, model_name)
             roles = [(pool, role_record(pool, model_id, context)) for pool in (prefill_pool, decode_pool)]
+            secret = DeploymentSecret.from_file(config.transport_secret_file) if config.transport_secret_file \
+                else DeploymentSecret.generate()  # both workers live in this process
             try:
-                paired = await pair_workers(tg, config.transport, roles[0], roles[1], config.fault_inject)
+                paired = await pair_workers(tg, config.transport, roles[0], roles[1], secret, config.fault_inject)
             except PairingRefused:
                 tg.cancel_scope.cancel()
                 return 1

@@ -1,8 +1,10 @@
 """Moving one request's prompt KV from the prefill pool into its reserved decode pages.
 
-The scheduler's half of a transfer: mint the ids, arm the receiver with the manifest and the
-destination pages the server chose, push, and wait for the receiver's verdict. Success needs the
-receiver's positive verdict; an error, a timeout or silence is a failure.
+The scheduler's half of a transfer: mint the ids and the push's capability (a MAC with the
+deployment secret over the ids, the destination lease and pages and the receiver's incarnation,
+transports/peer_auth.py), arm the receiver with the manifest and the destination pages the server
+chose, push, and wait for the receiver's verdict. Success needs the receiver's positive verdict;
+an error, a timeout or silence is a failure.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import msgspec
+
 import anyio
 
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
 from kvfence.transports.base import Peer, TransferManifest, Transport
+from kvfence.transports.peer_auth import DeploymentSecret
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +31,18 @@ class MoveResult:
     nbytes: int = 0
     # False when a cancellation was not acknowledged: the destination pages must not be reused.
     quiet: bool = True
+    # False when the sender did not acknowledge: a posted one-sided write may still read the
+    # source pages, so they must not be reused either (FAILURES 9).
+    source_quiet: bool = True
 
 
 class TransferLink:
-    """A paired sender (prefill) and receiver (decode) endpoint."""
+    """A paired sender (prefill) and receiver (decode) endpoint, and the deployment secret that
+    mints each push's capability."""
 
     def __init__(self, sender: Transport, receiver: Transport, peer: Peer, page_size_tokens: int,
-                 page_nbytes: int) -> None:
+                 page_nbytes: int, secret: DeploymentSecret) -> None:
+        self.secret = secret
         self.sender = sender
         self.receiver = receiver
         self.peer = peer
@@ -46,6 +56,10 @@ class TransferLink:
         src, dst = src_pages[:num_pages], dst_pages[:num_pages]
         manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(dst_lease), nonce=id_hex(mint_id()),
                                     num_tokens=num_tokens, num_pages=num_pages)
+        # the receiver incarnation the sender paired with (checked at pairing): a push planned for it
+        # is refused by any later incarnation of the receiver
+        manifest = msgspec.structs.replace(
+            manifest, capability=self.secret.capability(manifest, dst, self.peer.info.record.incarnation))
         try:
             self.receiver.expect(manifest, dst)
         except Exception as e:  # nothing is armed: no byte can land for this transfer
@@ -54,21 +68,27 @@ class TransferLink:
             with anyio.move_on_after(timeout_s) as scope:
                 pushed = await self.sender.push(self.peer, manifest, src, dst)
                 if not pushed.ok:  # the sender gave up: tell the receiver now, not at the timeout
-                    return MoveResult(False, pushed.reason, quiet=await self._cancel(manifest.transfer_id))
+                    return await self._cancelled(manifest.transfer_id, pushed.reason)
                 verdict = await self.receiver.completion(manifest.transfer_id)
         except Exception as e:  # a transport error is a failed transfer, never a crashed server
             log.warning("transfer %s: transport error: %r", manifest.transfer_id, e)
-            return MoveResult(False, f"transport error: {e}", quiet=await self._cancel(manifest.transfer_id))
+            return await self._cancelled(manifest.transfer_id, f"transport error: {e}")
         if scope.cancelled_caught:
-            return MoveResult(False, f"timed out after {timeout_s:g} s", quiet=await self._cancel(manifest.transfer_id))
+            return await self._cancelled(manifest.transfer_id, f"timed out after {timeout_s:g} s")
         if not verdict.ok or not pushed.ok:
             return MoveResult(False, verdict.reason or pushed.reason)
         return MoveResult(True, nbytes=num_pages * self.page_nbytes)
 
-    async def _cancel(self, transfer_id: str) -> bool:
-        """Cancel on both ends; True only when both acknowledged: the receiver that it writes
-        nothing more, and the sender that nothing it posted can still land (a one-sided WRITE
-        is the sender's, and the receiver cannot stop it)."""
+    async def _cancelled(self, transfer_id: str, reason: str) -> MoveResult:
+        """A failed move, cancelled on both ends: the destination is quiet only when both
+        acknowledged (the receiver writes nothing more, and nothing the sender posted can still
+        land: a one-sided WRITE is the sender's, the receiver cannot stop it); the source only
+        when the sender did (nothing it posted can still read it)."""
+        sender_ack, receiver_ack = await self._cancel(transfer_id)
+        return MoveResult(False, reason, quiet=sender_ack and receiver_ack, source_quiet=sender_ack)
+
+    async def _cancel(self, transfer_id: str) -> tuple[bool, bool]:
+        """Cancel on both ends; each side's acknowledgement (sender, receiver)."""
         acks = []
         for side, endpoint in (("sender", self.sender), ("receiver", self.receiver)):
             try:
@@ -77,7 +97,7 @@ class TransferLink:
                 log.warning("transfer %s: %s cancel failed: %r", transfer_id, side, e)
                 acks.append(False)
         if not all(acks):
-            log.warning("transfer %s: cancellation not acknowledged by the %s; its destination pages stay "
-                        "quarantined", transfer_id, " and ".join(s for s, ok in zip(("sender", "receiver"), acks)
-                                                                  if not ok))
-        return all(acks)
+            log.warning("transfer %s: cancellation not acknowledged by the %s; its %s pages stay quarantined",
+                        transfer_id, " and ".join(s for s, ok in zip(("sender", "receiver"), acks) if not ok),
+                        "destination" if acks[0] else "source and destination")
+        return acks[0], acks[1]

@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 import anyio
+import msgspec
 import torch
 
 from kvfence.scheduler.ids import mint_id
@@ -48,6 +49,7 @@ from kvfence.scheduler.messages import id_hex
 from kvfence.transports.base import PairingRecord, Peer, TransferManifest, Transport, TransportUnavailable
 from kvfence.transports.digest import page_digest
 from kvfence.transports.inprocess import InProcessHub
+from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.transports.registry import create_transport
 
 PAGE_TOKENS = 16
@@ -55,6 +57,7 @@ PAGE_NBYTES = 46_080 * PAGE_TOKENS  # one fp32 page of the default model
 POOL_PAGES = (256 << 20) // PAGE_NBYTES  # 364
 SIZES = {"page": 1, "request": 2048 // PAGE_TOKENS, "256MiB": POOL_PAGES}
 TRANSFER_TIMEOUT_S = 60.0
+SECRET = DeploymentSecret.generate()  # both ends live in this process
 MIN_REPS, MAX_REPS = 5, 20_000
 
 
@@ -187,9 +190,12 @@ class TransferFailed(RuntimeError):
 
 
 async def move(tx: Transport, rx: Transport, peer: Peer, case: Case) -> None:
-    """One transfer as TransferLink.move makes it; raises TransferFailed with the verdict's reason."""
+    """One transfer as TransferLink.move makes it (capability included); raises TransferFailed
+    with the verdict's reason."""
     manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(mint_id()), nonce=id_hex(mint_id()),
                                 num_tokens=len(case.src) * PAGE_TOKENS, num_pages=len(case.src))
+    manifest = msgspec.structs.replace(
+        manifest, capability=SECRET.capability(manifest, case.dst, peer.info.record.incarnation))
     rx.expect(manifest, case.dst)
     try:
         with anyio.fail_after(TRANSFER_TIMEOUT_S):
@@ -214,7 +220,7 @@ async def bench_transport(name: str, src: torch.Tensor, dst: torch.Tensor, cases
                            digest="xxh3_64", max_context_tokens=8192, incarnation=id_hex(mint_id()))
     options = {"hub": hub} if name == "inprocess" else {}
     try:
-        tx, rx = create_transport(name, **options), create_transport(name, **options)
+        tx, rx = create_transport(name, secret=SECRET, **options), create_transport(name, secret=SECRET, **options)
     except TransportUnavailable as e:
         return [Row(name, c.size, c.nbytes, "not installed", str(e)) for c in cases]
     rows: list[Row] = []

@@ -9,6 +9,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from kvfence.app.pairing import pair_workers, role_record
+from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
@@ -70,7 +71,7 @@ async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config
         from kvfence.transports.inprocess import InProcessHub
         options = {"hub": InProcessHub()}
     roles = [(w.pool, role_record(w.pool, "tiny", config.max_context_tokens)) for w in (pw, dw)]
-    paired = await pair_workers(tg, mode, roles[0], roles[1], faults, options)
+    paired = await pair_workers(tg, mode, roles[0], roles[1], DeploymentSecret.generate(), faults, options)
     scheduler = Scheduler(config, checkpoint.tokenizer, channel(pw), channel(dw), prefill_pages=num_pages,
                           decode_pages=num_pages, link=paired.link)
     await scheduler.run(tg)

@@ -6,9 +6,15 @@ once, exchanging `PairingRecord`s; any difference in the fields that define the 
 pair as a whole. After that the sender pushes lists of source pages into lists of destination
 pages, each push described by a `TransferManifest`.
 
+Peers are authenticated: every endpoint is constructed with the deployment's secret
+(`secret=DeploymentSecret`, transports/peer_auth.py) and serves nothing to a peer that has not
+proved it holds the same one; the built-ins run peer_auth's handshake before any other byte.
+
 Receiving is opt-in per transfer: the receiver `expect()`s a manifest and its destination pages
 (decided by the server, never by the sender) before the push; bytes for a transfer that is not
-expected, or no longer expected, are never written into the pool. A transfer succeeds only on
+expected, or no longer expected, are never written into the pool. The manifest carries a
+capability minted by the planner with the deployment secret; the receiver refuses to arm, and
+refuses a push, whose capability does not verify for its pages and the receiver's incarnation. A transfer succeeds only on
 positive proof: every page arrived, the manifest matches what was expected, and every page's
 digest recomputed over the bytes that landed equals the sender's.
 """
@@ -60,6 +66,9 @@ class TransferManifest(msgspec.Struct, frozen=True):
     num_tokens: int  # tokens of KV the pages hold
     num_pages: int
     digests: list[str] = []  # per source page, over the exact bytes sent ("" list when digest is "none")
+    # MAC over (transfer_id, lease, nonce, num_tokens, num_pages, dst pages, receiver incarnation)
+    # with the deployment secret, minted where the transfer is planned (transports/peer_auth.py).
+    capability: str = ""
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -99,7 +108,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def expect(self, manifest: TransferManifest, dst_pages: list[int]) -> None:
-        """Receiver side: allow exactly this transfer to land in `dst_pages`."""
+        """Receiver side: allow exactly this transfer to land in `dst_pages`. ValueError when its
+        capability does not verify (or the pages or id are unusable)."""
 
     @abc.abstractmethod
     async def completion(self, transfer_id: str) -> TransferResult:

@@ -1,5 +1,7 @@
 """What the built-in transports share: pool registration, the receiver half (expect, completion,
-cancel) and the checks on pairing and push arguments.
+cancel), the checks on pairing and push arguments, and, for the ones that listen, the guards of
+every accepted connection: a cap on connections, the peer authentication of peer_auth.py inside
+the handshake timeout, and the keep-alive of a paired one.
 
 Both built-ins take the pool on any device: one that is not on the CPU (a CUDA pool) is staged
 through host memory (staging.py). Their constructors pass `stage_through_host` (None: stage iff the
@@ -8,6 +10,8 @@ pool is not on the CPU; True also stages a CPU pool, to test that path) and `sta
 
 from __future__ import annotations
 
+import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,10 +22,16 @@ from anyio.abc import TaskGroup, TaskStatus
 from kvfence.transports.base import (
     EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult, Transport,
 )
+from kvfence.transports.keepalive import keep_alive
+from kvfence.transports.peer_auth import (AuthenticationFailed, DeploymentSecret, authenticate_as_connector,
+                                          authenticate_as_listener)
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES, PoolView
 from kvfence.transports.receiver import PoolReceiver
 from kvfence.transports.sender_state import OutgoingPushes
+from kvfence.transports.tcp_io import Channel
 from kvfence.transports.tcp_wire import HelloReply
+
+log = logging.getLogger(__name__)
 
 
 def pairing_problem(mine: EndpointInfo, theirs: EndpointInfo) -> str | None:
@@ -46,10 +56,14 @@ def check_pair(mine: EndpointInfo, peer: EndpointInfo, refusal: str | None, thei
 
 class PoolEndpoint(Transport):
     """Base of the built-in transports. Subclasses implement start/pair/push/health/aclose and
-    call `_register` from `start`."""
+    call `_register` from `start`. `secret`: the deployment's (peer_auth.py); the receiver checks
+    every capability with it against this endpoint's incarnation."""
 
-    def __init__(self, *, stage_through_host: bool | None = None,
+    def __init__(self, *, secret: DeploymentSecret, stage_through_host: bool | None = None,
                  stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
+        if not isinstance(secret, DeploymentSecret):
+            raise TypeError(f"secret must be a DeploymentSecret, not {type(secret).__name__}")
+        self.secret = secret
         self.stage_through_host = stage_through_host
         self.stage_chunk_bytes = stage_chunk_bytes
         self._pool: PoolView | None = None
@@ -72,7 +86,9 @@ class PoolEndpoint(Transport):
             raise RuntimeError(f"{self.name} transport already started")
         pool = PoolView(memory, record, stage_through_host=self.stage_through_host,
                         stage_chunk_bytes=self.stage_chunk_bytes)
-        self._pool, self._receiver = pool, PoolReceiver(pool)
+        secret, incarnation = self.secret, record.incarnation
+        self._pool = pool
+        self._receiver = PoolReceiver(pool, lambda m, dst: secret.capability_ok(m, dst, incarnation))
         return pool
 
     def _started(self) -> tuple[PoolView, PoolReceiver]:
@@ -116,12 +132,70 @@ class PoolEndpoint(Transport):
 class ListeningEndpoint(PoolEndpoint):
     """A PoolEndpoint that serves from a task group of its own, started inside the caller's (tcp and
     the one-sided transports): `_loops()` run there until `aclose` cancels it, then `_stop_serving()`
-    closes what they used. `_tg` is that task group while it runs; `_stopped` is set once it ended."""
+    closes what they used. `_tg` is that task group while it runs; `_stopped` is set once it ended.
 
-    def __init__(self, **kwargs: Any) -> None:
+    `handshake_timeout_s`: the authentication and the pairing exchange of a connection, together,
+    or it is closed. `keepalive_s`: a paired connection on which nothing arrives for this long is
+    closed (keepalive.py). `max_connections`: accepted connections open at once; one more is
+    closed on arrival."""
+
+    def __init__(self, *, handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        for what, value in (("handshake_timeout_s", handshake_timeout_s), ("keepalive_s", keepalive_s),
+                            ("max_connections", max_connections)):
+            if not value > 0:
+                raise ValueError(f"{what} must be positive, got {value!r}")
+        self.handshake_timeout_s = handshake_timeout_s
+        self.keepalive_s = keepalive_s
+        self.max_connections = max_connections
+        self.refused_peers = 0  # connections closed because they did not authenticate
+        self._open_connections = 0
         self._tg: TaskGroup | None = None
         self._stopped = anyio.Event()
+
+    # -- accepted connections ----------------------------------------------------------------
+    def _on_accept(self, sock: socket.socket, serve: Callable[[Channel], Awaitable[None]]) -> None:
+        """Serve an accepted socket with `serve` (which authenticates first, see `_authenticate`),
+        or close it at once when `max_connections` are open."""
+        if self._tg is None or self._open_connections >= self.max_connections:
+            log.warning("%s endpoint %s: %d connections open (the cap): closing a new one from %s", self.name,
+                        self._info.address if self._info else "?", self._open_connections, _peer_name(sock))
+            sock.close()
+            return
+        self._open_connections += 1
+        self._tg.start_soon(self._serve_accepted, Channel(sock), serve)
+
+    async def _serve_accepted(self, channel: Channel, serve: Callable[[Channel], Awaitable[None]]) -> None:
+        try:
+            await serve(channel)
+        finally:
+            self._open_connections -= 1
+            channel.close()
+
+    async def _authenticate(self, channel: Channel) -> bool:
+        """The listening side of peer_auth's handshake (call inside the handshake timeout). False,
+        logged, when the peer did not prove the deployment secret: send it nothing more."""
+        try:
+            await authenticate_as_listener(channel, self.secret, self.name)
+        except AuthenticationFailed as e:
+            self.refused_peers += 1
+            log.warning("%s endpoint %s: refused a connection from %s: %s", self.name, self.info.address,
+                        _peer_name(channel.sock), e)
+            return False
+        return True
+
+    async def _connect_authenticated(self, channel: Channel, peer: EndpointInfo) -> None:
+        """The connecting side of peer_auth's handshake; AuthenticationFailed names the peer."""
+        try:
+            await authenticate_as_connector(channel, self.secret, self.name)
+        except AuthenticationFailed as e:
+            raise AuthenticationFailed(f"{peer.address}: {e}") from None
+
+    def _keep_alive(self, channel: Channel, ping: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run the keep-alive of a paired connection in the endpoint's task group."""
+        if self._tg is not None:
+            self._tg.start_soon(keep_alive, channel, ping, self.keepalive_s, f"{self.name} {what}")
 
     def _loops(self) -> list[Callable[[], Awaitable[None]]]:
         raise NotImplementedError
@@ -157,3 +231,11 @@ class ListeningEndpoint(PoolEndpoint):
         finally:
             self._stop_serving()
             self._stopped.set()
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except (OSError, ValueError):
+        return "an unknown peer"
+    return f"{host}:{port}"

@@ -15,6 +15,7 @@ buffer of the transfer and copies them into its pool only once they verified.
 
 from __future__ import annotations
 
+import secrets
 from typing import ClassVar
 
 import anyio
@@ -26,6 +27,7 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused
                                      TransferResult)
 from kvfence.transports.digest import page_digest
 from kvfence.transports.endpoint import PoolEndpoint, check_pair, pairing_problem
+from kvfence.transports.peer_auth import NONCE_BYTES, AuthenticationFailed, DeploymentSecret
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
 from kvfence.transports.staging import SourcePages
 
@@ -60,11 +62,12 @@ class InProcessPeer(Peer):
 class InProcessTransport(PoolEndpoint):
     name: ClassVar[str] = "inprocess"
 
-    def __init__(self, hub: InProcessHub, *, yield_every_bytes: int = 4 << 20,
+    def __init__(self, hub: InProcessHub, *, secret: DeploymentSecret, yield_every_bytes: int = 4 << 20,
                  stage_through_host: bool | None = None,
                  stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
-        super().__init__(stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
+        super().__init__(secret=secret, stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
         self.hub = hub
+        self._challenges: dict[bytes, bytes] = {}  # listener nonce -> connector nonce, until answered
         self.yield_every_bytes = yield_every_bytes
         self._paired: set[str] = set()  # incarnations of the senders this endpoint accepted
         self._remotes: list[InProcessTransport] = []  # the endpoints this one paired with
@@ -75,8 +78,19 @@ class InProcessTransport(PoolEndpoint):
         self._info = EndpointInfo(self.name, self.hub.register(self), record)
         return self._info
 
-    def _accept_pairing(self, sender: EndpointInfo) -> str | None:
-        """The receiving side of `pair`: why it refuses, or None (and the sender may push)."""
+    def _challenge(self, connector_nonce: bytes) -> tuple[bytes, bytes]:
+        """The listening side of peer_auth's handshake, first step: a fresh nonce and our proof."""
+        listener_nonce = secrets.token_bytes(NONCE_BYTES)
+        self._challenges[listener_nonce] = connector_nonce
+        return listener_nonce, self.secret.proof("listener", self.name, connector_nonce, listener_nonce)
+
+    def _accept_pairing(self, sender: EndpointInfo, listener_nonce: bytes, proof: bytes) -> str | None:
+        """The receiving side of `pair`, once the sender answered our challenge: why it refuses,
+        or None (and the sender may push). A challenge is answered at most once."""
+        connector_nonce = self._challenges.pop(listener_nonce, None)
+        if connector_nonce is None or not self.secret.proves(proof, "connector", self.name, connector_nonce,
+                                                             listener_nonce):
+            raise AuthenticationFailed("the peer did not prove the deployment secret")
         if self._closed:
             return "the endpoint is closed"
         if (problem := pairing_problem(self.info, sender)) is None:
@@ -84,8 +98,9 @@ class InProcessTransport(PoolEndpoint):
         return problem
 
     async def pair(self, peer: EndpointInfo) -> Peer:
-        """PairingRefused on any mismatch (either side's verdict); ConnectionRefusedError when no
-        endpoint of this hub has that address."""
+        """Authenticate both ways (peer_auth's proofs, without a wire) and pair. PairingRefused on
+        any mismatch (either side's verdict); AuthenticationFailed when either side does not prove
+        the deployment secret; ConnectionRefusedError when no endpoint of this hub has that address."""
         if self._info is None or self._closed:
             raise RuntimeError("inprocess transport is not serving")
         if peer.transport != self.name:
@@ -93,7 +108,12 @@ class InProcessTransport(PoolEndpoint):
         remote = self.hub.lookup(peer.address)
         if remote is None:
             raise ConnectionRefusedError(f"no in-process endpoint at {peer.address!r}")
-        check_pair(self.info, peer, remote._accept_pairing(self.info), remote.info)
+        connector_nonce = secrets.token_bytes(NONCE_BYTES)
+        listener_nonce, listener_proof = remote._challenge(connector_nonce)
+        if not self.secret.proves(listener_proof, "listener", self.name, connector_nonce, listener_nonce):
+            raise AuthenticationFailed(f"{peer.address}: the peer did not prove the deployment secret")
+        proof = self.secret.proof("connector", self.name, connector_nonce, listener_nonce)
+        check_pair(self.info, peer, remote._accept_pairing(self.info, listener_nonce, proof), remote.info)
         await anyio.lowlevel.checkpoint()
         self._remotes = [r for r in self._remotes if r is not remote] + [remote]
         return InProcessPeer(self, remote.info, remote)

@@ -11,7 +11,7 @@ data it describes. Pools must be on the CPU (see nixl.py for why staging does no
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 # Imported here, not only when a plane opens, so that looking the transport up already fails (with
 # the install hint, transports/registry.py) where the engine or its system libraries are missing.
@@ -19,19 +19,19 @@ import mooncake.engine  # noqa: F401
 
 from kvfence.transports.mooncake_plane import MooncakePlane
 from kvfence.transports.onesided import OneSidedTransport
+from kvfence.transports.peer_auth import DeploymentSecret
 
 
 class MooncakeTransport(OneSidedTransport):
     name: ClassVar[str] = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, protocol: str = "tcp", device_name: str = "",
-                 handshake_timeout_s: float = 10.0, cancel_ack_timeout_s: float = 5.0,
-                 write_chunk_bytes: int = 64 << 20, poll_interval_s: float = 0.001) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret, protocol: str = "tcp",
+                 device_name: str = "", write_chunk_bytes: int = 64 << 20, **options: Any) -> None:
         """`host`/`port`: where the control channel listens (0: an ephemeral port); the engine is
         reached at `host` too. `protocol`: "tcp" or "rdma"; `device_name`: RDMA devices,
         comma-separated ("" for tcp). `cancel_ack_timeout_s`: how long `cancel` (and `aclose`)
         wait for writes in flight to end. `write_chunk_bytes`: the most one write moves (the engine
-        copies in its own threads, so chunks only bound how much a cancel must wait for)."""
-        super().__init__(MooncakePlane(protocol, device_name, host), host, port,
-                         handshake_timeout_s=handshake_timeout_s, cancel_ack_timeout_s=cancel_ack_timeout_s,
-                         write_chunk_bytes=write_chunk_bytes, poll_interval_s=poll_interval_s)
+        copies in its own threads, so chunks only bound how much a cancel must wait for). `secret`
+        and the other `options` (timeouts, keep-alive, connection cap): see OneSidedTransport."""
+        super().__init__(MooncakePlane(protocol, device_name, host), host, port, secret=secret,
+                         write_chunk_bytes=write_chunk_bytes, **options)

@@ -10,22 +10,21 @@ NIXL directly rather than staged.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvfence.transports.nixl_plane import NixlPlane
 from kvfence.transports.onesided import OneSidedTransport
+from kvfence.transports.peer_auth import DeploymentSecret
 
 
 class NixlTransport(OneSidedTransport):
     name: ClassVar[str] = "nixl"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout_s: float = 10.0,
-                 cancel_ack_timeout_s: float = 5.0, write_chunk_bytes: int = 8 << 20,
-                 poll_interval_s: float = 0.001, backend: str = "UCX") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret, backend: str = "UCX",
+                 **options: Any) -> None:
         """`host`/`port`: where the control channel listens (0: an ephemeral port).
         `cancel_ack_timeout_s`: how long `cancel` (and `aclose`) wait for writes in flight to end.
         `write_chunk_bytes`: the most one write moves (see OneSidedTransport). `backend`: the NIXL
-        backend plugin."""
-        super().__init__(NixlPlane(backend), host, port, handshake_timeout_s=handshake_timeout_s,
-                         cancel_ack_timeout_s=cancel_ack_timeout_s, write_chunk_bytes=write_chunk_bytes,
-                         poll_interval_s=poll_interval_s)
+        backend plugin. `secret` and the other `options` (timeouts, keep-alive, connection cap,
+        write chunks): see OneSidedTransport."""
+        super().__init__(NixlPlane(backend), host, port, secret=secret, **options)

@@ -2,7 +2,9 @@
 Mooncake); a small TCP control channel (onesided_wire, over tcp_io) pairs endpoints and decides,
 per push, whether and when the sender may write.
 
-Pairing is tcp's: the connecting side sends its EndpointInfo, the listener refuses another
+Pairing is tcp's: first the mutual authentication of peer_auth.py (a peer that does not prove the
+deployment secret gets nothing: no record, no plane descriptor), then the connecting side sends
+its EndpointInfo, the listener refuses another
 transport or any byte-defining record mismatch (naming the field), else answers with its own
 info and its plane descriptor; the connecting side re-checks the record and the incarnation and
 `connect`s its plane to the listener's registered pool.
@@ -49,12 +51,20 @@ from kvfence.transports.endpoint import ListeningEndpoint
 from kvfence.transports.onesided_link import Link
 from kvfence.transports.onesided_receive import ReceiverHalf, answer_hello
 from kvfence.transports.onesided_send import SenderHalf
-from kvfence.transports.onesided_wire import MAX_HELLO, Hello, recv_message, send_message
+from kvfence.transports.onesided_wire import MAX_HELLO, Hello, Ping, recv_message, send_message
+from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.transports.tcp import listen_endpoint, split_address
 from kvfence.transports.tcp_io import Channel, ConnectionGone, accept_forever, connect
 from kvfence.transports.tcp_wire import ProtocolError
 
 log = logging.getLogger(__name__)
+
+
+def _pinger(link: Link) -> Callable[[], Awaitable[None]]:
+    async def ping() -> None:
+        link.send(Ping())  # queued behind what the link is sending anyway
+
+    return ping
 
 
 class OneSidedPeer(Peer):
@@ -71,17 +81,18 @@ class OneSidedTransport(ListeningEndpoint):
     page): it bounds how long one post or poll can hold the event loop where the plane copies
     inside the call (see nixl_plane), and how much a cancelled push still moves."""
 
-    def __init__(self, plane: DataPlane, host: str = "127.0.0.1", port: int = 0, *,
-                 handshake_timeout_s: float = 10.0, cancel_ack_timeout_s: float = 5.0,
-                 write_chunk_bytes: int = 8 << 20, poll_interval_s: float = 0.001) -> None:
-        super().__init__(stage_through_host=False)
-        for what, value in (("handshake_timeout_s", handshake_timeout_s), ("write_chunk_bytes", write_chunk_bytes),
-                            ("cancel_ack_timeout_s", cancel_ack_timeout_s), ("poll_interval_s", poll_interval_s)):
+    def __init__(self, plane: DataPlane, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
+                 handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
+                 cancel_ack_timeout_s: float = 5.0, write_chunk_bytes: int = 8 << 20,
+                 poll_interval_s: float = 0.001) -> None:
+        super().__init__(secret=secret, handshake_timeout_s=handshake_timeout_s, keepalive_s=keepalive_s,
+                         max_connections=max_connections, stage_through_host=False)
+        for what, value in (("write_chunk_bytes", write_chunk_bytes), ("cancel_ack_timeout_s", cancel_ack_timeout_s),
+                            ("poll_interval_s", poll_interval_s)):
             if not value > 0:
                 raise ValueError(f"{what} must be positive, got {value!r}")
         self.plane = plane
         self.host, self.port = host, port
-        self.handshake_timeout_s = handshake_timeout_s
         self.cancel_ack_timeout_s = cancel_ack_timeout_s
         self.poll_interval_s = poll_interval_s
         self._sender = SenderHalf(plane, self._outgoing, self._kick, write_chunk_bytes=write_chunk_bytes,
@@ -126,17 +137,17 @@ class OneSidedTransport(ListeningEndpoint):
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None and self._tg is not None
-        tg = self._tg
-        await accept_forever(self._listener, lambda sock: tg.start_soon(self._serve_sender, Link(Channel(sock))))
+        await accept_forever(self._listener, lambda sock: self._on_accept(sock, self._serve_sender))
 
-    async def _serve_sender(self, link: Link) -> None:
-        """A sender connected: pair, then take its messages until the link ends."""
+    async def _serve_sender(self, channel: Channel) -> None:
+        """A sender connected: authenticate it, pair, then take its messages until the link ends."""
         assert self._tg is not None and self._rx is not None
-        rx, reason = self._rx, "peer_lost"
+        rx, reason, link = self._rx, "peer_lost", Link(channel)
         self._accepted.add(link)
         try:
-            if await answer_hello(link, self.info, self._descriptor, self.handshake_timeout_s):
+            if await answer_hello(link, self.info, self._descriptor, self.handshake_timeout_s, self._authenticate):
                 self._tg.start_soon(link.write_loop)
+                self._keep_alive(channel, _pinger(link), "receiving link")
                 while True:
                     rx.on_message(link, await recv_message(link.channel))
         except (ProtocolError, TimeoutError):  # before ConnectionGone: both are OSErrors
@@ -182,13 +193,16 @@ class OneSidedTransport(ListeningEndpoint):
 
     # -- pairing and pushing -----------------------------------------------------------------
     async def pair(self, peer: EndpointInfo) -> Peer:
-        """Connect to `peer` and pair. PairingRefused on any mismatch (either side's verdict);
-        OSError (ConnectionError) when unreachable, not speaking this protocol, or its data
-        plane cannot be reached; TimeoutError when the handshake stalls."""
+        """Connect to `peer`, authenticate both ways and pair. PairingRefused on any mismatch
+        (either side's verdict); AuthenticationFailed (a ConnectionError) when the peer does not
+        prove the deployment secret; OSError (ConnectionError) when unreachable, not speaking this
+        protocol (a listener that refused us just closes), or its data plane cannot be reached;
+        TimeoutError when the handshake stalls."""
         self._check_pairable(peer)
         link = Link(Channel(await connect(*split_address(peer.address))))
         try:
             with anyio.fail_after(self.handshake_timeout_s):
+                await self._connect_authenticated(link.channel, peer)
                 async with link.channel.send_lock:
                     await send_message(link.channel, Hello(self.info))
                 reply = self._check_hello_reply(peer, await recv_message(link.channel, MAX_HELLO))
@@ -205,6 +219,7 @@ class OneSidedTransport(ListeningEndpoint):
         self._peers[peer.address] = link
         self._tg.start_soon(link.write_loop)
         self._tg.start_soon(self._serve_receiver, link)
+        self._keep_alive(link.channel, _pinger(link), f"link to {peer.address}")
         return OneSidedPeer(self, reply.info, link)
 
     async def push(self, peer: Peer, manifest: TransferManifest, src_pages: list[int],

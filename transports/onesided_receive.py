@@ -11,7 +11,7 @@ without that proof: a write already posted may still land in its dst pages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 
@@ -19,15 +19,20 @@ from kvfence.transports.base import EndpointInfo
 from kvfence.transports.endpoint import pairing_problem
 from kvfence.transports.onesided_link import Incoming, Link
 from kvfence.transports.onesided_wire import (MAX_HELLO, Abort, Announce, Cancel, Go, Hello, HelloReply, Landed,
-                                              Message, Stop, Verdict, recv_message, send_message)
+                                              Message, Ping, Stop, Verdict, recv_message, send_message)
 from kvfence.transports.receiver import PoolReceiver
+from kvfence.transports.tcp_io import Channel
 from kvfence.transports.tcp_wire import ProtocolError
 
 
-async def answer_hello(link: Link, me: EndpointInfo, descriptor: bytes, timeout_s: float) -> bool:
-    """Answer the peer's Hello: refuse another transport or any byte-defining record mismatch
-    (naming the field), else send this endpoint's info and plane descriptor. True when paired."""
+async def answer_hello(link: Link, me: EndpointInfo, descriptor: bytes, timeout_s: float,
+                       authenticate: Callable[[Channel], Awaitable[bool]]) -> bool:
+    """Authenticate the peer (`authenticate`: False sends it nothing more), then answer its Hello:
+    refuse another transport or any byte-defining record mismatch (naming the field), else send
+    this endpoint's info and plane descriptor. True when paired. All within `timeout_s`."""
     with anyio.fail_after(timeout_s):
+        if not await authenticate(link.channel):
+            return False
         hello = await recv_message(link.channel, MAX_HELLO)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected hello, got {type(hello).__name__}")
@@ -50,6 +55,8 @@ class ReceiverHalf:
     def on_message(self, link: Link, message: Message) -> None:
         """A message from the sender at the other end of `link`."""
         match message:
+            case Ping():
+                pass
             case Announce():
                 self._admit(link, message)
             case Landed(transfer_id=tid):

@@ -23,7 +23,7 @@ import anyio.lowlevel
 from kvfence.transports.base import TransferManifest, TransferResult
 from kvfence.transports.data_plane import DataPlane, WriteState
 from kvfence.transports.onesided_link import Link, Sending, Write, wait_any, write_chunks
-from kvfence.transports.onesided_wire import Abort, Announce, Cancel, Go, Landed, Message, Stop, Verdict
+from kvfence.transports.onesided_wire import Abort, Announce, Cancel, Go, Landed, Message, Ping, Stop, Verdict
 from kvfence.transports.pool_view import PoolView
 from kvfence.transports.sender_state import OutgoingPush, OutgoingPushes
 from kvfence.transports.tcp_wire import ProtocolError
@@ -156,6 +156,8 @@ class SenderHalf:
     def on_message(self, link: Link, message: Message) -> None:
         """A message from the receiver at the other end of `link`."""
         match message:
+            case Ping():
+                pass
             case Go(transfer_id=tid):
                 if (s := self._on(link, tid)) is not None:
                     s.go.set()

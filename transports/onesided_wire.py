@@ -2,7 +2,8 @@
 big-endian length + one msgpack-encoded message) carrying the messages below. Page bytes never
 travel here: they move by one-sided WRITEs through a `DataPlane`.
 
-Pairing (the sender connects, the receiver listens):
+Pairing (the sender connects, the receiver listens), after the mutual authentication of
+peer_auth.py (fixed-size raw messages, before any frame):
     sender -> Hello(info)        receiver -> HelloReply(accepted, reason, info, plane)
 `plane` is the receiver's data-plane descriptor (what the sender's plane `connect`s to); empty
 when the pairing is refused.
@@ -20,6 +21,7 @@ Either side may stop a push:
                                            is terminal: no further byte of it can land
     receiver -> Stop(transfer_id, reason)  the receiver cancelled (or is closing): post no more
                                            writes, answer with Abort once they are terminal
+Keep-alive: either side -> Ping() while idle (keepalive.py); ignored by its reader.
 
 `Announce.digests` are the sender's, over the source pages, when the manifest carries none.
 """
@@ -30,7 +32,7 @@ import msgspec
 
 from kvfence.transports.base import TransferManifest, TransferResult
 from kvfence.transports.tcp_io import Channel
-from kvfence.transports.tcp_wire import LEN_SIZE, MAX_FRAME, Hello, HelloReply, ProtocolError, frame_length
+from kvfence.transports.tcp_wire import LEN_SIZE, MAX_FRAME, Hello, HelloReply, Ping, ProtocolError, frame_length
 
 MAX_HELLO = 1 << 20  # bytes of a frame before pairing; a plane descriptor can be a few KiB
 
@@ -68,7 +70,7 @@ class Stop(msgspec.Struct, tag="stop", frozen=True):
     reason: str
 
 
-Message = Hello | HelloReply | Announce | Go | Landed | Verdict | Cancel | Abort | Stop
+Message = Hello | HelloReply | Announce | Go | Landed | Verdict | Cancel | Abort | Stop | Ping
 
 
 async def send_message(channel: Channel, message: Message) -> None:

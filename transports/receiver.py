@@ -29,16 +29,16 @@ import torch
 from kvfence.transports.base import TransferManifest, TransferResult
 from kvfence.transports.digest import page_digest
 from kvfence.transports.pool_view import PoolView
-from kvfence.transports.receiver_state import Admission, ReceiverState
+from kvfence.transports.receiver_state import Admission, CapabilityCheck, ReceiverState
 from kvfence.transports.staging import copy_pages, host_pages, host_view
 
 log = logging.getLogger(__name__)
 
 
 class PoolReceiver:
-    def __init__(self, pool: PoolView) -> None:
+    def __init__(self, pool: PoolView, capability: CapabilityCheck | None = None) -> None:
         self.pool = pool
-        self.state = ReceiverState(pool.num_pages, pool.page_nbytes, pool.digest)
+        self.state = ReceiverState(pool.num_pages, pool.page_nbytes, pool.digest, capability=capability)
         self._waiters: dict[str, anyio.Event] = {}
         self._staging: dict[Admission, torch.Tensor] = {}  # live admissions of a staged pool
         self._closed_reason = ""

@@ -5,7 +5,11 @@ Per transfer id:  EXPECTED --admit--> RECEIVING --finish/abort--> FINISHED
                   RECEIVING --cancel--> FINISHED ("cancelled"; remaining bytes are discarded)
 
 `admit` decides whether a push may land in the pool: only an EXPECTED transfer whose manifest
-(transfer_id, lease, nonce, num_pages, num_tokens), page size and dst pages equal what was expected.
+(transfer_id, lease, nonce, num_pages, num_tokens, capability), page size and dst pages equal what
+was expected. With a `capability` check (every endpoint has one: the deployment secret's MAC, see
+peer_auth.py), `expect` refuses a manifest whose capability does not verify for its dst pages, and
+`admit` refuses such a push ("capability") before anything else; when it names an expected
+transfer, that transfer fails with it (the push that arrived for it is not the planned one).
 Any other push gets a rejected `Admission` (its bytes must be read into scratch and dropped). A
 push that names an expected transfer but does not match it fails that transfer.
 `writable(adm)` is the single gate for pool writes; it turns False for good the moment the
@@ -20,6 +24,7 @@ never written).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvfence.transports.base import TransferManifest, TransferResult
@@ -37,9 +42,14 @@ class Admission:
     live: bool = False  # accepted and neither finished nor cancelled
 
 
+CapabilityCheck = Callable[[TransferManifest, Sequence[int]], bool]
+
+
 class ReceiverState:
-    def __init__(self, num_pages: int, page_nbytes: int, digest: str, remember: int = 65536) -> None:
+    def __init__(self, num_pages: int, page_nbytes: int, digest: str, remember: int = 65536,
+                 capability: CapabilityCheck | None = None) -> None:
         self.num_pages = num_pages
+        self._capability = capability
         self.page_nbytes = page_nbytes
         self.digest = digest
         self._remember = remember
@@ -67,9 +77,12 @@ class ReceiverState:
 
     # -- transitions -----------------------------------------------------------------------
     def expect(self, manifest: TransferManifest, dst_pages: list[int]) -> None:
-        """Make `manifest` EXPECTED into `dst_pages`; ValueError on a reused id, bad pages or
-        pages already reserved by another pending transfer."""
+        """Make `manifest` EXPECTED into `dst_pages`; ValueError on a capability that does not
+        verify, a reused id, bad pages or pages already reserved by another pending transfer."""
         tid = manifest.transfer_id
+        if self._capability is not None and not self._capability(manifest, dst_pages):
+            raise ValueError(f"transfer {tid}: refused: capability (it does not verify for this lease, nonce, "
+                             f"these pages and this receiver's incarnation)")
         if self.pending(tid) or tid in self._finished:
             raise ValueError(f"transfer {tid} is already expected or finished")
         if manifest.num_pages < 1 or len(dst_pages) != manifest.num_pages:
@@ -93,6 +106,11 @@ class ReceiverState:
         def rejected(reason: str) -> Admission:
             return Admission(tid, tuple(dst_pages), manifest.num_pages, tuple(manifest.digests), reason)
 
+        if self._capability is not None and not self._capability(manifest, dst_pages):
+            if (entry := self._expected.pop(tid, None)) is not None:  # a push of it that nobody planned
+                self._reserved.difference_update(entry[1])
+                self._record(TransferResult(tid, False, "capability"))
+            return rejected("capability")
         if tid in self._receiving:
             return rejected("duplicate")
         if (done := self._finished.get(tid)) is not None:
@@ -109,6 +127,8 @@ class ReceiverState:
             reason = "manifest_mismatch"
         elif tuple(dst_pages) != want_dst:
             reason = "dst_mismatch"
+        elif manifest.capability != want.capability:
+            reason = "capability"
         if reason:
             self._reserved.difference_update(want_dst)
             self._record(TransferResult(tid, False, reason))

@@ -1,7 +1,9 @@
 """`TcpTransport`: KV pages over plain TCP (loopback or LAN), no extra dependencies.
 
 Every endpoint listens (it can receive); `pair(peer)` opens one connection from this endpoint to
-the peer's listener and exchanges Hello/HelloReply: the listener refuses a different transport or
+the peer's listener, runs the mutual authentication of peer_auth.py (a peer without the deployment
+secret gets nothing more, not even the pairing record), and exchanges Hello/HelloReply: the
+listener refuses a different transport or
 any byte-defining record mismatch, and the connecting side re-checks the reply (record, and that
 the peer's incarnation is the one it was told about). Pushes then flow connector -> listener on
 that connection, several at once (see tcp_send). Wire format: tcp_wire; byte moving: tcp_io.
@@ -29,11 +31,12 @@ from anyio.abc import TaskGroup
 from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
 from kvfence.transports.endpoint import ListeningEndpoint
+from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
 from kvfence.transports.tcp_io import Channel, accept_forever, connect, listen
 from kvfence.transports.tcp_receive import serve_connection
 from kvfence.transports.tcp_send import SenderConnection
-from kvfence.transports.tcp_wire import MAX_HELLO, Hello
+from kvfence.transports.tcp_wire import MAX_HELLO, Hello, Ping
 
 
 class TcpPeer(Peer):
@@ -62,15 +65,26 @@ def listen_endpoint(name: str, host: str, port: int, record: PairingRecord) -> t
     return listener, EndpointInfo(name, f"{shown}:{listener.getsockname()[1]}", record)
 
 
+async def _ping(channel: Channel) -> None:
+    """A keep-alive frame, unless a push is streaming (its bytes keep the connection alive)."""
+    if not channel.send_lock.locked():
+        async with channel.send_lock:
+            await channel.send_frame(Ping())
+
+
 class TcpTransport(ListeningEndpoint):
     name: ClassVar[str] = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout: float = 10.0,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
+                 handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
                  stage_through_host: bool | None = None,
                  stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
-        super().__init__(stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
+        """`host`/`port`: where it listens (loopback unless told otherwise; 0: an ephemeral port).
+        `secret`, `handshake_timeout_s`, `keepalive_s`, `max_connections`: see ListeningEndpoint."""
+        super().__init__(secret=secret, handshake_timeout_s=handshake_timeout_s, keepalive_s=keepalive_s,
+                         max_connections=max_connections, stage_through_host=stage_through_host,
+                         stage_chunk_bytes=stage_chunk_bytes)
         self.host, self.port = host, port
-        self.handshake_timeout = handshake_timeout
         self._listener: socket.socket | None = None
         self._peers: dict[str, SenderConnection] = {}  # by peer address
         self._accepted: set[Channel] = set()
@@ -94,30 +108,33 @@ class TcpTransport(ListeningEndpoint):
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None and self._tg is not None
-        tg = self._tg
-        await accept_forever(self._listener, lambda sock: tg.start_soon(self._serve_one, Channel(sock)))
+        await accept_forever(self._listener, lambda sock: self._on_accept(sock, self._serve_one))
 
     async def _serve_one(self, channel: Channel) -> None:
         _, receiver = self._started()
         self._accepted.add(channel)
         try:
-            await serve_connection(channel, self.info, receiver, self.handshake_timeout)
+            await serve_connection(channel, self.info, receiver, self.handshake_timeout_s, self._authenticate,
+                                   lambda: self._keep_alive(channel, lambda: _ping(channel), "receiving connection"))
         finally:
             self._accepted.discard(channel)
 
     async def pair(self, peer: EndpointInfo) -> Peer:
-        """Connect to `peer` and pair. PairingRefused on any mismatch (either side's verdict);
-        OSError (ConnectionError) when unreachable or not speaking this protocol; TimeoutError
-        when the handshake stalls."""
+        """Connect to `peer`, authenticate both ways and pair. PairingRefused on any mismatch
+        (either side's verdict); AuthenticationFailed (a ConnectionError) when the peer does not
+        prove the deployment secret; OSError (ConnectionError) when unreachable or not speaking
+        this protocol (a listener that refused us just closes); TimeoutError when the handshake stalls."""
         self._check_pairable(peer)
         channel = Channel(await connect(*split_address(peer.address)))
         try:  # ProtocolError (an undecodable reply) is a ConnectionError too
-            with anyio.fail_after(self.handshake_timeout):
+            with anyio.fail_after(self.handshake_timeout_s):
+                await self._connect_authenticated(channel, peer)
                 async with channel.send_lock:
                     await channel.send_frame(Hello(self.info))
                 reply = self._check_hello_reply(peer, await channel.recv_frame(MAX_HELLO))
             connection = SenderConnection(channel, reply.info)
             self._tg.start_soon(connection.run)
+            self._keep_alive(channel, lambda: _ping(channel), f"connection to {peer.address}")
         except BaseException:
             channel.close()
             raise

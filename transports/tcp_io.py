@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import anyio
@@ -32,6 +33,7 @@ class Channel:
         self.sock = sock
         self.send_lock = anyio.Lock()
         self.closed = False
+        self.last_recv_s = self.last_send_s = time.monotonic()  # for keep-alive (keepalive.py)
         self._owed_frame = memoryview(b"")  # rest of a frame whose sending was interrupted
         self._owed_pad = 0  # rest of a page whose sending was stopped or interrupted
         self._prefix = bytearray(LEN_SIZE)
@@ -50,6 +52,13 @@ class Channel:
         self._owed_frame = memoryview(encode_frame(frame))
         await self._flush()
 
+    async def send_raw(self, data: bytes) -> None:
+        """Send `data` as it is (the handshake before any frame)."""
+        if not self.settled:
+            raise anyio.BrokenResourceError("a previous send was left unfinished")
+        self._owed_frame = memoryview(data)
+        await self._flush()
+
     async def send_page(self, page: memoryview, hasher: Hasher, stop: Callable[[], bool]) -> bool:
         """Send `page`, feeding every sent chunk to `hasher`. Checks `stop()` before each read of
         `page`; when it is True returns False, leaving the rest owed (`settle` pads it)."""
@@ -66,6 +75,7 @@ class Channel:
                 await anyio.wait_writable(self.sock)
                 continue
             hasher.update(page[sent:sent + k])
+            self.last_send_s = time.monotonic()
             sent += k
             self._owed_pad -= k
         return True
@@ -83,9 +93,12 @@ class Channel:
     async def _send_some(self, data: memoryview) -> int:
         while True:
             try:
-                return self.sock.send(data)
+                k = self.sock.send(data)
             except (BlockingIOError, InterruptedError):
                 await anyio.wait_writable(self.sock)
+                continue
+            self.last_send_s = time.monotonic()
+            return k
 
     # -- receiving (one reader task) -------------------------------------------------------
     async def recv_frame(self, limit: int = MAX_FRAME) -> Frame:
@@ -94,6 +107,12 @@ class Channel:
         body = bytearray(frame_length(self._prefix, limit))
         await self._recv_exact(len(body), lambda: memoryview(body))
         return decode_frame(body)
+
+    async def recv_raw(self, nbytes: int) -> bytes:
+        """Exactly `nbytes` bytes (the handshake before any frame)."""
+        buffer = bytearray(nbytes)
+        await self._recv_exact(nbytes, lambda: memoryview(buffer))
+        return bytes(buffer)
 
     async def recv_page(self, nbytes: int, target: Callable[[], memoryview | None]) -> None:
         """Read `nbytes` into `target()` (asked again before every read; a view of exactly
@@ -112,6 +131,7 @@ class Channel:
                 continue
             if k == 0:
                 raise ConnectionResetError("the peer closed the connection")
+            self.last_recv_s = time.monotonic()
             got += k
 
     # -- closing ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The receiving end of one accepted TCP connection: pairing handshake, then pushes.
+"""The receiving end of one accepted TCP connection: authentication, pairing handshake, then pushes.
 
 Page bytes are read straight into the destination pool pages, but only while the receiver says the
 transfer may be written (`PoolReceiver.target`); otherwise into scratch and dropped. A push cut
@@ -8,6 +8,8 @@ off by a lost connection fails with "peer_lost", one cut off by a protocol viola
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import anyio
 
 from kvfence.transports.base import EndpointInfo, TransferResult
@@ -15,16 +17,20 @@ from kvfence.transports.endpoint import pairing_problem
 from kvfence.transports.receiver import PoolReceiver
 from kvfence.transports.receiver_state import Admission
 from kvfence.transports.tcp_io import Channel, ConnectionGone
-from kvfence.transports.tcp_wire import (MAX_HELLO, Cancel, Hello, HelloReply, Page, ProtocolError, PushAbort,
-                                          PushEnd, PushHeader, Verdict)
+from kvfence.transports.tcp_wire import (MAX_HELLO, Cancel, Hello, HelloReply, Page, Ping, ProtocolError,
+                                          PushAbort, PushEnd, PushHeader, Verdict)
 
 
-async def serve_connection(channel: Channel, me: EndpointInfo, receiver: PoolReceiver,
-                           handshake_timeout: float) -> None:
-    """Serve `channel` until the peer goes away or the task is cancelled; always closes it."""
+async def serve_connection(channel: Channel, me: EndpointInfo, receiver: PoolReceiver, handshake_timeout_s: float,
+                           authenticate: Callable[[Channel], Awaitable[bool]],
+                           on_paired: Callable[[], None]) -> None:
+    """Serve `channel` until the peer goes away or the task is cancelled; always closes it.
+    `authenticate` runs first (within the handshake timeout): a peer it refuses gets nothing
+    more; `on_paired` is called once the pairing is accepted (to start the keep-alive)."""
     reader = _PushReader(channel, receiver)
     try:
-        if await _handshake(channel, me, handshake_timeout):
+        if await _handshake(channel, me, handshake_timeout_s, authenticate):
+            on_paired()
             await reader.run()
     except (ProtocolError, TimeoutError):  # before ConnectionGone: both are OSErrors
         reader.fail("protocol_error")
@@ -35,9 +41,14 @@ async def serve_connection(channel: Channel, me: EndpointInfo, receiver: PoolRec
         channel.close()
 
 
-async def _handshake(channel: Channel, me: EndpointInfo, timeout: float) -> bool:
-    """Answer the peer's Hello; True when paired. A refusal is answered, then the connection ends."""
-    with anyio.fail_after(timeout):
+async def _handshake(channel: Channel, me: EndpointInfo, timeout_s: float,
+                     authenticate: Callable[[Channel], Awaitable[bool]]) -> bool:
+    """Authenticate the peer, then answer its Hello; True when paired. A peer that fails to
+    authenticate gets nothing; a pairing refusal (to an authenticated peer) is answered, then the
+    connection ends."""
+    with anyio.fail_after(timeout_s):
+        if not await authenticate(channel):
+            return False
         hello = await channel.recv_frame(MAX_HELLO)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected hello, got {type(hello).__name__}")
@@ -61,6 +72,8 @@ class _PushReader:
     async def run(self) -> None:
         while True:
             frame = await self.channel.recv_frame()
+            if isinstance(frame, Ping):
+                continue
             if isinstance(frame, Cancel):
                 self.receiver.cancel(frame.transfer_id)
             elif isinstance(frame, PushHeader):

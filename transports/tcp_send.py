@@ -24,7 +24,7 @@ from kvfence.transports.pool_view import PoolView
 from kvfence.transports.sender_state import OutgoingPush
 from kvfence.transports.staging import SourcePages
 from kvfence.transports.tcp_io import Channel, ConnectionGone
-from kvfence.transports.tcp_wire import Cancel, Page, ProtocolError, PushAbort, PushEnd, PushHeader, Verdict
+from kvfence.transports.tcp_wire import Cancel, Page, Ping, ProtocolError, PushAbort, PushEnd, PushHeader, Verdict
 
 
 class SenderConnection:
@@ -53,6 +53,8 @@ class SenderConnection:
         try:
             while True:
                 frame = await self.channel.recv_frame()
+                if isinstance(frame, Ping):
+                    continue
                 if not isinstance(frame, Verdict):
                     raise ProtocolError(f"unexpected {type(frame).__name__} from the receiver")
                 if (out := self._waiting.get(frame.result.transfer_id)) is not None:

@@ -1,6 +1,7 @@
 """The TCP transport's wire format: 4-byte big-endian length + one msgpack-encoded `Frame`.
 
-Connection (sender connects, receiver listens):
+Connection (sender connects, receiver listens): first the mutual authentication of peer_auth.py
+(fixed-size raw messages, no frame), then
     sender -> Hello(info)                 receiver -> HelloReply(accepted, reason, info)
     then, per push, with nothing else interleaved on the connection while it streams:
     sender -> PushHeader(manifest, dst_pages, page_nbytes)
@@ -8,6 +9,7 @@ Connection (sender connects, receiver listens):
               PushEnd(transfer_id, digests)  -- or PushAbort(transfer_id, reason) instead of a Page
     receiver -> Verdict(result)           (later; verdicts of several pushes may be outstanding)
     sender -> Cancel(transfer_id)         (between pushes: the receiver un-expects it; no reply)
+    either -> Ping()                      (keep-alive while idle, between pushes; no reply)
 
 `PushEnd.digests` are computed by the sender over exactly the bytes it sent. A sender that stops
 in the middle of a page pads the rest of that page with zeros, then sends PushAbort.
@@ -66,7 +68,11 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     transfer_id: str
 
 
-Frame = Hello | HelloReply | PushHeader | Page | PushEnd | PushAbort | Verdict | Cancel
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    """Keep-alive (keepalive.py), either way, between pushes; ignored by its reader."""
+
+
+Frame = Hello | HelloReply | PushHeader | Page | PushEnd | PushAbort | Verdict | Cancel | Ping
 
 
 class ProtocolError(ConnectionError):

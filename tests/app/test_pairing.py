@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvfence.app.pairing import pair_workers, role_record
+from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.transports.base import PairingRefused
@@ -31,7 +32,7 @@ async def test_the_pair_serves_the_smaller_limit_known_at_pairing(tiny: Checkpoi
     prefill, decode = pool(tiny, 64), pool(tiny, 20)  # 256 and 80 tokens
     async with anyio.create_task_group() as tg:
         paired = await pair_workers(tg, "tcp", (prefill, role_record(prefill, "m", 200)),
-                                    (decode, role_record(decode, "m", 200)))
+                                    (decode, role_record(decode, "m", 200)), DeploymentSecret.generate())
         assert paired.max_context_tokens == 80
         assert paired.link.peer.info.record.max_context_tokens == 80
         for endpoint in paired.endpoints:
@@ -49,7 +50,7 @@ async def test_a_mismatch_refuses_the_pair_with_one_clear_line(
     async with anyio.create_task_group() as tg:
         with pytest.raises(PairingRefused, match=field):
             await pair_workers(tg, "tcp", (prefill, role_record(prefill, "m", 64)),
-                               (decode, role_record(decode, "m", 64)))
+                               (decode, role_record(decode, "m", 64)), DeploymentSecret.generate())
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("pairing refused: prefill -> decode over tcp: ") and field in line
     assert "no request will be routed" in line
@@ -60,6 +61,7 @@ async def test_different_models_refuse_the_pair(tiny: Checkpoint) -> None:
     async with anyio.create_task_group() as tg:
         with pytest.raises(PairingRefused, match="model"):
             await pair_workers(tg, "inprocess", (prefill, role_record(prefill, "tiny@1", 64)),
-                               (decode, role_record(decode, "tiny@2", 64)), options={"hub": InProcessHub()})
+                               (decode, role_record(decode, "tiny@2", 64)), DeploymentSecret.generate(),
+                               options={"hub": InProcessHub()})
 
 

@@ -33,7 +33,7 @@ async def push_every_page(kind: str) -> None:
     async with paired(kind, num_pages=NUM_PAGES, page_floats=PAGE_FLOATS) as p:
         assert p.src.nbytes == p.dst.nbytes == 256 << 20
         manifest = make_manifest(NUM_PAGES)
-        p.rx.expect(manifest, dst_pages)
+        manifest = p.arm(manifest, dst_pages)
         assert p.peer is not None
         with anyio.fail_after(25):
             result = await p.tx.push(p.peer, manifest, src_pages, dst_pages)

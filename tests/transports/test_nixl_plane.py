@@ -190,7 +190,7 @@ async def test_a_closed_nixl_transport_pair_leaves_no_native_thread_or_descripto
     threads, fds = native_threads(), process_counts()[1]
     async with paired("nixl") as p:
         manifest = make_manifest(2)
-        p.rx.expect(manifest, [3, 4])
+        manifest = p.arm(manifest, [3, 4])
         assert (await p.tx.push(p.peer, manifest, [0, 1], [3, 4])).ok
         assert native_threads() > threads  # the agents' (UCX's async thread)
     assert (native_threads(), process_counts()[1]) == (threads, fds)

@@ -14,7 +14,7 @@ from typing import ClassVar
 import anyio
 import pytest
 import torch
-from transport_harness import make_manifest, make_record, page_bytes
+from transport_harness import TEST_SECRET, make_manifest, make_record, page_bytes, signed
 
 from kvfence.transports.base import Peer, TransferManifest, TransferResult, TransportUnavailable
 from kvfence.transports.data_plane import DataPlane, WriteState
@@ -113,6 +113,7 @@ class Pair:
 
     def push_soon(self, tg: anyio.abc.TaskGroup, manifest: TransferManifest, pages: list[int],
                   results: dict[str, TransferResult]) -> None:
+        manifest = signed(manifest, pages, self.rx.info)
         self.rx.expect(manifest, pages)
 
         async def run() -> None:
@@ -125,7 +126,7 @@ class Pair:
 async def fake_pair(plane: type[FakePlane] = FakePlane, **options: object) -> AsyncIterator[Pair]:
     """Sender and receiver over 8-page pools; one page per write unless `options` say otherwise."""
     fabric = Fabric()
-    options = {"write_chunk_bytes": PAGE, "cancel_ack_timeout_s": 2.0, **options}
+    options = {"write_chunk_bytes": PAGE, "cancel_ack_timeout_s": 2.0, "secret": TEST_SECRET, **options}
     src, dst = torch.randn(8, 1024), torch.zeros(8, 1024)
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
@@ -263,8 +264,11 @@ async def test_a_failed_handle_is_not_acknowledged_until_every_handle_is_termina
 
 async def test_a_refused_push_posts_no_write() -> None:
     async with fake_pair() as p:
-        result = await p.tx.push(p.peer, make_manifest(2), [0, 1], [0, 1])
+        # validly signed but never expected, then not even signed: refused either way, nothing written
+        result = await p.tx.push(p.peer, signed(make_manifest(2), [0, 1], p.rx.info), [0, 1], [0, 1])
         assert (result.ok, result.reason) == (False, "unexpected_transfer")
+        result = await p.tx.push(p.peer, make_manifest(2), [0, 1], [0, 1])
+        assert (result.ok, result.reason) == (False, "capability")
         assert p.fabric.writes == [] and not p.dst.any()
 
 
@@ -310,6 +314,7 @@ async def test_a_cancelled_push_task_whose_write_never_ends_drops_the_pair() -> 
     async with fake_pair(cancel_ack_timeout_s=0.2) as p:
         p.fabric.hold = True
         manifest, scope = make_manifest(2), anyio.CancelScope()
+        manifest = signed(manifest, [0, 1], p.rx.info)
         p.rx.expect(manifest, [0, 1])
 
         async def push() -> None:
@@ -326,7 +331,7 @@ async def test_a_cancelled_push_task_whose_write_never_ends_drops_the_pair() -> 
 
 async def test_a_pool_that_is_not_on_the_cpu_is_refused() -> None:
     async with anyio.create_task_group() as tg:
-        transport = FakeTransport(FakePlane(Fabric()))
+        transport = FakeTransport(FakePlane(Fabric()), secret=TEST_SECRET)
         with pytest.raises(TransportUnavailable, match="CPU"):
             await transport.start(tg, torch.empty(4, 1024, device="meta"), make_record())
         await transport.aclose()

@@ -9,7 +9,7 @@ import anyio
 import msgspec
 import pytest
 import torch
-from transport_harness import (STAGE_CHUNK_PAGES, digests_of, make_manifest, make_record, page_bytes, paired,
+from transport_harness import (STAGE_CHUNK_PAGES, digests_of, make_manifest, make_record, page_bytes, paired, signed,
                                split_kind)
 
 from kvfence.transports import staging
@@ -133,7 +133,7 @@ async def test_a_failed_staging_copy_aborts_the_push_and_keeps_the_connection(
 
     async with paired("tcp+staged") as p:
         manifest = make_manifest(6)
-        p.rx.expect(manifest, list(range(6)))
+        manifest = p.arm(manifest, list(range(6)))
         monkeypatch.setattr(staging, "copy_pages", fail_second)
         with pytest.raises(RuntimeError, match="device copy failed"):
             await p.tx.push(p.peer, manifest, list(range(6)), list(range(6)))
@@ -250,10 +250,13 @@ async def test_a_digest_mismatch_leaves_the_staged_pool_untouched(kind: str) -> 
 @pytest.mark.parametrize("kind", STAGED)
 async def test_a_manifest_mismatch_leaves_the_staged_pool_untouched(kind: str) -> None:
     async with paired(kind) as p:
-        expected = make_manifest(2)
-        p.rx.expect(expected, [5, 6])
-        result = await p.tx.push(p.peer, msgspec.structs.replace(expected, lease="x"), [0, 1], [5, 6])
-        assert (result.ok, result.reason) == (False, "manifest_mismatch")
+        for signed_push, reason in ((False, "capability"), (True, "manifest_mismatch")):
+            expected = p.arm(make_manifest(2), [5, 6])
+            changed = msgspec.structs.replace(expected, lease="x")
+            if signed_push:  # signed for what it claims, but not what was expected
+                changed = signed(changed, [5, 6], p.rx_info)
+            result = await p.tx.push(p.peer, changed, [0, 1], [5, 6])
+            assert (result.ok, result.reason) == (False, reason)
         p.assert_untouched()
 
 
@@ -262,7 +265,7 @@ async def test_a_manifest_mismatch_leaves_the_staged_pool_untouched(kind: str) -
 async def test_a_cancelled_staged_transfer_leaves_the_pool_untouched(kind: str, side: str) -> None:
     async with paired(kind, num_pages=16, page_floats=BIG) as p:
         manifest, results = make_manifest(16), {}
-        p.rx.expect(manifest, list(range(16)))
+        manifest = p.arm(manifest, list(range(16)))
 
         async def push() -> None:
             results["push"] = await p.tx.push(p.peer, manifest, list(range(16)), list(range(16)))

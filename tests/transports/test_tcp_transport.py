@@ -10,29 +10,31 @@ import anyio
 import msgspec
 import pytest
 import torch
-from transport_harness import make_manifest, make_record, page_bytes, paired
+from transport_harness import (TEST_SECRET, make_manifest, make_record, page_bytes, paired, raw_authenticate,
+                               recv_exactly, recv_until_closed)
 
 from kvfence.transports.base import EndpointInfo, PairingRefused
+from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES
 from kvfence.transports.tcp import TcpTransport, split_address
 from kvfence.transports.tcp_wire import LEN_SIZE, Hello, HelloReply, decode_frame, encode_frame, frame_length
 
 pytestmark = pytest.mark.anyio
 
 
-def raw_exchange(address: str, payload: bytes) -> bytes:
-    """Blocking helper (run in a thread): send payload, read until the server closes."""
+def raw_exchange(address: str, payload: bytes, authenticate: bool = False) -> bytes:
+    """Blocking helper (run in a thread): authenticate first (as a deployment member) if asked,
+    send payload, read until the server closes."""
     with socket.create_connection(split_address(address), timeout=5) as s:
+        if authenticate:
+            raw_authenticate(s)
         s.sendall(payload)
-        chunks = []
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks)
+        return recv_until_closed(s)
 
 
 async def test_listener_refuses_a_foreign_transport_and_hangs_up() -> None:
     async with paired("tcp", pair=False) as p:
         hello = Hello(EndpointInfo("carrier-pigeon", "nowhere:1", make_record()))
-        reply_bytes = await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, encode_frame(hello))
+        reply_bytes = await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, encode_frame(hello), True)
         n = frame_length(reply_bytes[:LEN_SIZE])
         reply = decode_frame(reply_bytes[LEN_SIZE:LEN_SIZE + n])
         assert isinstance(reply, HelloReply) and not reply.accepted
@@ -42,8 +44,10 @@ async def test_listener_refuses_a_foreign_transport_and_hangs_up() -> None:
 
 async def test_junk_is_dropped_and_the_endpoint_keeps_serving() -> None:
     async with paired("tcp", pair=False) as p:
-        junk = b"\x00\x00\x00\x05hello"
+        junk = b"\x00\x00\x00\x05hello" + bytes(40)  # as long as a handshake opening, but not one
         assert await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, junk) == b""
+        after_auth = b"\x00\x00\x00\x05hello"  # an authenticated peer that sends junk is dropped too
+        assert await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, after_auth, True) == b""
         assert await p.rx.health()
         peer = await p.tx.pair(p.rx_info)
         p.peer = peer
@@ -61,7 +65,7 @@ def test_split_address() -> None:
 async def test_push_cancelled_while_queued_behind_another_notifies_the_receiver() -> None:
     async with paired("tcp", page_floats=1 << 18) as p:  # 32 x 1 MiB: the first push holds the line
         big, small = make_manifest(31), make_manifest(1)
-        p.rx.expect(big, list(range(31)))
+        big = p.arm(big, list(range(31)))
         results: dict[str, object] = {}
 
         async def push(name: str, manifest, pages: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -72,7 +76,7 @@ async def test_push_cancelled_while_queued_behind_another_notifies_the_receiver(
             with anyio.fail_after(10):
                 while not page_bytes(p.dst, 0).any():
                     await anyio.sleep(0)
-            p.rx.expect(small, [31])
+            small = p.arm(small, [31])
             tg.start_soon(push, "small", small, [0])
             await anyio.sleep(0)
             assert not page_bytes(p.dst, 31).any()
@@ -83,6 +87,14 @@ async def test_push_cancelled_while_queued_behind_another_notifies_the_receiver(
         p.assert_landed(list(range(31)), list(range(31)))
 
 
+def raw_listen_authenticated(conn: socket.socket) -> None:
+    """The listening side of the peer handshake with the test deployment's secret."""
+    opening = recv_exactly(conn, len(MAGIC) + NONCE_BYTES)
+    connector_nonce, listener_nonce = opening[len(MAGIC):], os.urandom(NONCE_BYTES)
+    conn.sendall(listener_nonce + TEST_SECRET.proof("listener", "tcp", connector_nonce, listener_nonce))
+    assert TEST_SECRET.proves(recv_exactly(conn, MAC_BYTES), "connector", "tcp", connector_nonce, listener_nonce)
+
+
 def fake_listener(reply_info: EndpointInfo) -> tuple[socket.socket, Callable[[], None]]:
     """A listener that accepts any Hello and answers 'accepted' with `reply_info` (a liar)."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -90,6 +102,7 @@ def fake_listener(reply_info: EndpointInfo) -> tuple[socket.socket, Callable[[],
     def serve_one() -> None:
         conn, _ = listener.accept()
         with conn:
+            raw_listen_authenticated(conn)
             prefix = conn.recv(LEN_SIZE, socket.MSG_WAITALL)
             conn.recv(frame_length(prefix), socket.MSG_WAITALL)
             conn.sendall(encode_frame(HelloReply(True, "", reply_info)))
@@ -117,7 +130,7 @@ async def test_a_failed_start_leaves_no_listener_behind() -> None:
     fds = len(os.listdir("/proc/self/fd"))
     async with anyio.create_task_group() as finished:
         pass
-    transport = TcpTransport()
+    transport = TcpTransport(secret=TEST_SECRET)
     with pytest.raises(RuntimeError):
         await transport.start(finished, torch.zeros(4, 1024), make_record())
     assert len(os.listdir("/proc/self/fd")) == fds

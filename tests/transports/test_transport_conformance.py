@@ -8,9 +8,10 @@ import random
 import msgspec
 import pytest
 import torch
-from transport_harness import KINDS, digests_of, make_manifest, make_record, paired
+from transport_harness import KINDS, digests_of, make_manifest, make_record, paired, signed
 
-from kvfence.transports.base import EndpointInfo, PairingRefused
+from kvfence.transports.base import EndpointInfo, PairingRefused, TransferResult
+from kvfence.transports.peer_auth import DeploymentSecret
 
 pytestmark = pytest.mark.anyio
 
@@ -82,7 +83,7 @@ async def test_manifest_digests_supplied_by_the_caller_are_accepted(kind: str) -
 
 async def test_unexpected_transfer_writes_nothing(kind: str) -> None:
     async with paired(kind) as p:
-        manifest = make_manifest(2)
+        manifest = signed(make_manifest(2), [0, 1], p.rx_info)  # a valid capability, never expected
         result = await p.tx.push(p.peer, manifest, [0, 1], [0, 1])
         assert (result.ok, result.reason) == (False, "unexpected_transfer")
         p.assert_untouched()
@@ -94,7 +95,7 @@ async def test_unexpected_transfer_writes_nothing(kind: str) -> None:
 async def test_manifest_mismatch_writes_nothing_and_fails_the_transfer(kind: str, field: str) -> None:
     async with paired(kind) as p:
         expected = make_manifest(3)
-        p.rx.expect(expected, [5, 6, 7])
+        expected = p.arm(expected, [5, 6, 7])
         pushed, src, dst = expected, [0, 1, 2], [5, 6, 7]
         if field == "num_pages":
             pushed, src, dst = make_manifest(2, transfer_id=expected.transfer_id, lease=expected.lease,
@@ -103,11 +104,42 @@ async def test_manifest_mismatch_writes_nothing_and_fails_the_transfer(kind: str
             dst = [5, 6, 8]
         else:
             pushed = msgspec.structs.replace(expected, **{field: "x" if field != "num_tokens" else 1})
-        result = await p.tx.push(p.peer, pushed, src, dst)
+        # signed for what it claims (a sender holding the secret that got it wrong): the receiver's
+        # own comparison with what it expected refuses it
+        result = await p.tx.push(p.peer, signed(pushed, dst, p.rx_info), src, dst)
         reason = "dst_mismatch" if field == "dst_pages" else "manifest_mismatch"
         assert (result.ok, result.reason) == (False, reason)
         assert await p.rx.completion(expected.transfer_id) == result
         p.assert_untouched()
+
+
+@pytest.mark.parametrize("field", ["lease", "nonce", "num_tokens", "dst_pages", "incarnation", "secret"])
+async def test_a_push_whose_capability_does_not_verify_is_refused_and_writes_nothing(kind: str, field: str) -> None:
+    """FAILURES 23: the capability of the expected transfer, on a push that changes what it covers
+    (or one minted for an earlier incarnation of the receiver, or with another secret), is refused
+    before a byte lands, and fails the expected transfer."""
+    async with paired(kind) as p:
+        expected = p.arm(make_manifest(3), [5, 6, 7])
+        pushed, dst = expected, [5, 6, 7]
+        if field == "dst_pages":
+            dst = [5, 6, 8]
+        elif field == "incarnation":
+            old = msgspec.structs.replace(p.rx_info, record=msgspec.structs.replace(p.rx_info.record,
+                                                                                    incarnation="0" * 16))
+            pushed = signed(expected, dst, old)
+        elif field == "secret":
+            pushed = signed(expected, dst, p.rx_info, DeploymentSecret.generate())
+        else:
+            pushed = msgspec.structs.replace(expected, **{field: "x" if field != "num_tokens" else 1})
+        result = await p.tx.push(p.peer, pushed, [0, 1, 2], dst)
+        assert (result.ok, result.reason) == (False, "capability")
+        assert await p.rx.completion(expected.transfer_id) == TransferResult(expected.transfer_id, False, "capability")
+        p.assert_untouched()
+        # an expectation whose capability does not verify is refused before it is armed
+        with pytest.raises(ValueError, match="refused: capability"):
+            p.rx.expect(make_manifest(1), [9])
+        await_ok = await p.expect_and_push([0], [9])
+        assert await_ok[1].ok
 
 
 async def test_digest_mismatch_fails(kind: str) -> None:
@@ -132,7 +164,7 @@ async def test_duplicate_push_is_refused_without_writing(kind: str) -> None:
 async def test_receiver_cancel_before_push_writes_nothing(kind: str) -> None:
     async with paired(kind) as p:
         manifest = make_manifest(2)
-        p.rx.expect(manifest, [0, 1])
+        manifest = p.arm(manifest, [0, 1])
         assert await p.rx.cancel(manifest.transfer_id) is True
         assert (await p.rx.completion(manifest.transfer_id)).reason == "cancelled"
         result = await p.tx.push(p.peer, manifest, [0, 1], [0, 1])
@@ -156,12 +188,12 @@ async def test_bad_arguments_raise(kind: str) -> None:
     async with paired(kind) as p:
         manifest = make_manifest(2)
         with pytest.raises(ValueError):
-            p.rx.expect(manifest, [0])  # page count differs from num_pages
-        p.rx.expect(manifest, [0, 1])
+            p.arm(manifest, [0])  # page count differs from num_pages
+        manifest = p.arm(manifest, [0, 1])
         with pytest.raises(ValueError):
-            p.rx.expect(make_manifest(1), [1])  # page reserved by a pending transfer
+            p.arm(make_manifest(1), [1])  # page reserved by a pending transfer
         with pytest.raises(ValueError):
-            p.rx.expect(manifest, [2, 3])  # id reused
+            p.arm(manifest, [2, 3])  # id reused
         with pytest.raises(ValueError):
             await p.tx.push(p.peer, manifest, [0, 0], [0, 1])  # repeated src page
         with pytest.raises(ValueError):

@@ -79,7 +79,7 @@ async def test_transfer_of_a_few_mib(kind: str) -> None:
 async def test_sender_cancel_mid_push_stops_reading_the_source(kind: str) -> None:
     async with paired(kind, page_floats=BIG) as p:
         manifest, results = make_manifest(32), {}
-        p.rx.expect(manifest, list(range(32)))
+        manifest = p.arm(manifest, list(range(32)))
         async with anyio.create_task_group() as tg:
             await push_in_background(p, tg, manifest, results)
             assert await p.tx.cancel(manifest.transfer_id) is True
@@ -95,7 +95,7 @@ async def test_sender_cancel_mid_push_stops_reading_the_source(kind: str) -> Non
 async def test_receiver_cancel_mid_transfer_stops_writes(kind: str) -> None:
     async with paired(kind, page_floats=BIG) as p:
         manifest, results = make_manifest(32), {}
-        p.rx.expect(manifest, list(range(32)))
+        manifest = p.arm(manifest, list(range(32)))
         async with anyio.create_task_group() as tg:
             await push_in_background(p, tg, manifest, results)
             assert await p.rx.cancel(manifest.transfer_id) is True
@@ -110,7 +110,7 @@ async def test_receiver_cancel_mid_transfer_stops_writes(kind: str) -> None:
 async def test_cancelled_push_task_leaves_the_pair_usable(kind: str) -> None:
     async with paired(kind, page_floats=BIG) as p:
         manifest, results, scope = make_manifest(32), {}, anyio.CancelScope()
-        p.rx.expect(manifest, list(range(32)))
+        manifest = p.arm(manifest, list(range(32)))
         async with anyio.create_task_group() as tg:
             await push_in_background(p, tg, manifest, results, scope)
             scope.cancel()
@@ -123,7 +123,7 @@ async def test_cancelled_push_task_leaves_the_pair_usable(kind: str) -> None:
 async def test_sender_closing_fails_the_receivers_transfer(kind: str) -> None:
     async with paired(kind, page_floats=BIG) as p:
         manifest, results = make_manifest(32), {}
-        p.rx.expect(manifest, list(range(32)))
+        manifest = p.arm(manifest, list(range(32)))
         async with anyio.create_task_group() as tg:
             await push_in_background(p, tg, manifest, results)
             await p.tx.aclose()
@@ -135,7 +135,7 @@ async def test_sender_closing_fails_the_receivers_transfer(kind: str) -> None:
 async def test_receiver_closing_fails_the_push(kind: str) -> None:
     async with paired(kind, page_floats=BIG) as p:
         manifest, results = make_manifest(32), {}
-        p.rx.expect(manifest, list(range(32)))
+        manifest = p.arm(manifest, list(range(32)))
         async with anyio.create_task_group() as tg:
             await push_in_background(p, tg, manifest, results)
             tg.start_soon(lambda: p.rx.completion(manifest.transfer_id))
@@ -157,7 +157,7 @@ async def test_aclose_releases_sockets_and_tasks(kind: str) -> None:
         _, result = await p.expect_and_push([0], [0])
         assert result.ok
         pending = make_manifest(1)
-        p.rx.expect(pending, [1])
+        pending = p.arm(pending, [1])
         waited: list[TransferResult] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: _append(waited, p.rx.completion(pending.transfer_id)))
@@ -168,7 +168,7 @@ async def test_aclose_releases_sockets_and_tasks(kind: str) -> None:
         await p.tx.aclose()  # idempotent
         assert not await p.tx.health() and not await p.rx.health()
         with pytest.raises(RuntimeError):
-            p.rx.expect(make_manifest(1), [2])
+            p.arm(make_manifest(1), [2])
         if p.kind in ("tcp", "nixl", "mooncake"):  # one-sided kinds: their control channel
             with socket.socket() as s, pytest.raises(ConnectionRefusedError):
                 s.settimeout(2)

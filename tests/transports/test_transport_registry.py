@@ -10,14 +10,18 @@ import pytest
 from kvfence.transports import registry
 from kvfence.transports.base import TransportUnavailable
 from kvfence.transports.inprocess import InProcessHub, InProcessTransport
+from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.transports.tcp import TcpTransport
 
 
 def test_builtins_resolve_and_create() -> None:
     assert registry.transport_class("tcp") is TcpTransport
     assert registry.transport_class("inprocess") is InProcessTransport
-    assert isinstance(registry.create_transport("tcp", host="127.0.0.1"), TcpTransport)
-    assert isinstance(registry.create_transport("inprocess", hub=InProcessHub()), InProcessTransport)
+    secret = DeploymentSecret.generate()
+    assert isinstance(registry.create_transport("tcp", host="127.0.0.1", secret=secret), TcpTransport)
+    assert isinstance(registry.create_transport("inprocess", hub=InProcessHub(), secret=secret), InProcessTransport)
+    with pytest.raises(TypeError):  # no endpoint without the deployment secret
+        registry.create_transport("tcp")
     assert {"tcp", "inprocess", "nixl", "mooncake"} <= set(registry.known_transports())
 
 

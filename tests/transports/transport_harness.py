@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,12 +35,16 @@ import torch
 from kvfence.transports.base import EndpointInfo, PairingRecord, Peer, TransferManifest, Transport
 from kvfence.transports.digest import page_digest
 from kvfence.transports.inprocess import InProcessHub
+from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
 from kvfence.transports.registry import create_transport
+
+# The deployment secret every endpoint these tests make shares (tests of a stranger make their own).
+TEST_SECRET = DeploymentSecret.generate()
 
 # A third-party transport runs the same suites on itself: install it (entry point group
 # `kvfence.transports`) and name it in KVFENCE_CONFORMANCE_TRANSPORTS (comma-separated), e.g.
 #   KVFENCE_CONFORMANCE_TRANSPORTS=mine .venv/bin/python -m pytest tests/transports -k mine
-# Its constructor is called without arguments.
+# Its constructor is called with one keyword argument, `secret` (the deployment's DeploymentSecret).
 KINDS = ["tcp", "inprocess", "tcp+staged", "inprocess+staged", "nixl", "mooncake",
          *[k.strip() for k in os.environ.get("KVFENCE_CONFORMANCE_TRANSPORTS", "").split(",") if k.strip()]]
 ONESIDED_PACKAGES = {"nixl": "nixl", "mooncake": "mooncake"}  # transport -> the module it needs
@@ -72,9 +77,19 @@ def split_kind(kind: str) -> tuple[str, bool]:
     return name, mode == "staged"
 
 
-def make_transport(kind: str, hub: InProcessHub, page_nbytes: int = 4096) -> Transport:
+def signed(manifest: TransferManifest, dst_pages: list[int], receiver: EndpointInfo,
+           secret: DeploymentSecret = TEST_SECRET) -> TransferManifest:
+    """`manifest` with the capability the planner would mint for a push into `dst_pages` of `receiver`."""
+    import msgspec
+
+    return msgspec.structs.replace(
+        manifest, capability=secret.capability(manifest, dst_pages, receiver.record.incarnation))
+
+
+def make_transport(kind: str, hub: InProcessHub, page_nbytes: int = 4096, **extra: object) -> Transport:
     name, staged = split_kind(kind)
     options: dict[str, object] = {"hub": hub} if name == "inprocess" else {}
+    options.update({"secret": TEST_SECRET, **extra})
     if name in ONESIDED_PACKAGES:
         if importlib.util.find_spec(ONESIDED_PACKAGES[name]) is None:
             pytest.skip(f"{name} is not installed")
@@ -125,9 +140,15 @@ class Pair:
             return self.rx._receiver.state.receiving(manifest.transfer_id)  # type: ignore[attr-defined]
         return bool(page_bytes(self.dst, 0).any())
 
-    async def expect_and_push(self, src_pages: list[int], dst_pages: list[int], **changes: object):
-        manifest = make_manifest(len(src_pages), **changes)
+    def arm(self, manifest: TransferManifest, dst_pages: list[int]) -> TransferManifest:
+        """Sign `manifest` for `dst_pages` of the receiver (as the planner does), `expect` it
+        there, and return the signed manifest (the one to push)."""
+        manifest = signed(manifest, dst_pages, self.rx_info)
         self.rx.expect(manifest, dst_pages)
+        return manifest
+
+    async def expect_and_push(self, src_pages: list[int], dst_pages: list[int], **changes: object):
+        manifest = self.arm(make_manifest(len(src_pages), **changes), dst_pages)
         assert self.peer is not None
         return manifest, await self.tx.push(self.peer, manifest, src_pages, dst_pages)
 
@@ -135,7 +156,8 @@ class Pair:
 @asynccontextmanager
 async def paired(kind: str, *, num_pages: int = 32, page_floats: int = 1024, pair: bool = True,
                  rx_record: PairingRecord | None = None, dst: torch.Tensor | None = None,
-                 devices: tuple[str, str] = ("cpu", "cpu")) -> AsyncIterator[Pair]:
+                 devices: tuple[str, str] = ("cpu", "cpu"), **options: object) -> AsyncIterator[Pair]:
+    """`options`: passed to both transports' constructors (e.g. keepalive_s)."""
     hub = InProcessHub()
     name, staged = split_kind(kind)
     src = torch.randn(num_pages, page_floats, generator=torch.Generator().manual_seed(num_pages))
@@ -143,7 +165,8 @@ async def paired(kind: str, *, num_pages: int = 32, page_floats: int = 1024, pai
     src, dst = src.to(devices[0]), dst.to(devices[1])
     with anyio.fail_after(30):  # a hang is a failure, not a stuck test run
         async with anyio.create_task_group() as tg:
-            tx, rx = make_transport(kind, hub, page_floats * 4), make_transport(kind, hub, page_floats * 4)
+            tx, rx = (make_transport(kind, hub, page_floats * 4, **options),
+                      make_transport(kind, hub, page_floats * 4, **options))
             try:
                 rx_info = await rx.start(tg, dst, rx_record or make_record(page_floats * 4))
                 tx_info = await tx.start(tg, src, make_record(page_floats * 4))
@@ -152,3 +175,36 @@ async def paired(kind: str, *, num_pages: int = 32, page_floats: int = 1024, pai
             finally:
                 await tx.aclose()
                 await rx.aclose()
+
+
+def raw_authenticate(sock: socket.socket, secret: DeploymentSecret = TEST_SECRET, transport: str = "tcp") -> None:
+    """The connecting side of the peer handshake over a blocking socket (what a deployment member
+    sends); AssertionError when the listener's proof does not verify."""
+    connector_nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + connector_nonce)
+    answer = recv_exactly(sock, NONCE_BYTES + MAC_BYTES)
+    listener_nonce, mac = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+    assert secret.proves(mac, "listener", transport, connector_nonce, listener_nonce)
+    sock.sendall(secret.proof("connector", transport, connector_nonce, listener_nonce))
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionResetError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def recv_until_closed(sock: socket.socket) -> bytes:
+    """Everything the peer sends until it closes or resets the connection (the socket's timeout
+    bounds each read)."""
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:  # closed with what we sent still unread: the same to us
+        pass
+    return b"".join(chunks)

@@ -1,0 +1,234 @@
+"""The trust boundary of the transports (FAILURES 22): a process outside the deployment that
+connects to an endpoint and speaks its protocol gets nothing — no record, no data-plane
+descriptor, no page byte — and a replayed handshake or a wrong secret fails the same way; plus
+the handshake timeout, the connection cap and the keep-alive of every listening transport."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+import anyio
+import msgspec
+import pytest
+from transport_harness import (TEST_SECRET, make_manifest, make_record, paired, raw_authenticate,
+                               recv_exactly, recv_until_closed, signed)
+
+from kvfence.transports.base import EndpointInfo
+from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, AuthenticationFailed, DeploymentSecret
+from kvfence.transports.tcp import split_address
+from kvfence.transports.tcp_wire import (LEN_SIZE, Hello, HelloReply, Page, Ping, PushHeader, decode_frame,
+                                          encode_frame, frame_length)
+
+pytestmark = pytest.mark.anyio
+LISTENING = ["tcp", "nixl", "mooncake"]  # the transports with a listening socket
+STRANGER = DeploymentSecret.generate()  # a process that is not part of the test deployment
+
+
+def connect(address: str) -> socket.socket:
+    return socket.create_connection(split_address(address), timeout=5)
+
+
+def hello_frame(kind: str) -> bytes:
+    """A Hello with a record that matches the receiver's: all the public model file gives."""
+    return encode_frame(Hello(EndpointInfo(kind, "127.0.0.1:1", make_record())))
+
+
+def frames(data: bytes) -> list[object]:
+    out = []
+    while data:
+        n = frame_length(data[:LEN_SIZE])
+        out.append(decode_frame(data[LEN_SIZE:LEN_SIZE + n]))
+        data = data[LEN_SIZE + n:]
+    return out
+
+
+def stranger_pushes(address: str, kind: str, manifest, dst_pages: list[int], page_nbytes: int) -> tuple[bytes, bytes]:
+    """Blocking: a stranger runs the handshake with its own secret, then speaks the protocol as a
+    paired sender would (Hello, a push of an expected transfer with page bytes). Returns what it
+    got during the handshake and everything after it."""
+    with connect(address) as s:
+        connector_nonce = os.urandom(NONCE_BYTES)
+        s.sendall(MAGIC + connector_nonce)
+        answer = recv_exactly(s, NONCE_BYTES + MAC_BYTES)
+        s.sendall(STRANGER.proof("connector", kind, connector_nonce, answer[:NONCE_BYTES]))
+        try:
+            s.sendall(hello_frame(kind) + encode_frame(PushHeader(manifest, dst_pages, page_nbytes))
+                      + encode_frame(Page(0)) + b"\xab" * page_nbytes)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed on us: that is the point
+        return answer, recv_until_closed(s)
+
+
+@pytest.mark.parametrize("kind", LISTENING)
+async def test_a_stranger_with_a_valid_record_gets_nothing_and_lands_nothing(kind: str) -> None:
+    async with paired(kind) as p:
+        manifest = p.arm(make_manifest(1), [3])  # a real transfer is armed: the stranger aims at it
+        answer, after = await anyio.to_thread.run_sync(stranger_pushes, p.rx_info.address, kind, manifest, [3],
+                                                       p.dst[0].numel() * 4)
+        assert after == b""  # no HelloReply: no record, no plane descriptor
+        assert len(answer) == NONCE_BYTES + MAC_BYTES and make_record().model.encode() not in answer
+        p.assert_untouched()
+        assert p.rx.refused_peers == 1
+        assert p.peer is not None  # the deployment's own pair still works
+        result = await p.tx.push(p.peer, manifest, [0], [3])
+        assert result.ok, result
+        p.assert_landed([0], [3])
+
+
+@pytest.mark.parametrize("kind", LISTENING)
+async def test_a_hello_without_the_handshake_gets_no_byte(kind: str) -> None:
+    async with paired(kind, pair=False) as p:
+        def exchange() -> bytes:
+            with connect(p.rx_info.address) as s:
+                s.sendall(hello_frame(kind))
+                return recv_until_closed(s)
+
+        assert await anyio.to_thread.run_sync(exchange) == b""
+        assert p.rx.refused_peers == 1
+
+
+@pytest.mark.parametrize("kind", LISTENING)
+async def test_a_replayed_handshake_fails(kind: str) -> None:
+    async with paired(kind, pair=False) as p:
+        def record_then_replay() -> tuple[bytes, bytes, bytes]:
+            with connect(p.rx_info.address) as s:  # a real member's handshake, recorded on the wire
+                connector_nonce = os.urandom(NONCE_BYTES)
+                s.sendall(MAGIC + connector_nonce)
+                first = recv_exactly(s, NONCE_BYTES + MAC_BYTES)
+                proof = TEST_SECRET.proof("connector", kind, connector_nonce, first[:NONCE_BYTES])
+                s.sendall(proof)
+            with connect(p.rx_info.address) as s:  # replayed byte for byte
+                s.sendall(MAGIC + connector_nonce)
+                second = recv_exactly(s, NONCE_BYTES + MAC_BYTES)
+                s.sendall(proof + hello_frame(kind))
+                return first, second, recv_until_closed(s)
+
+        first, second, after = await anyio.to_thread.run_sync(record_then_replay)
+        assert first[:NONCE_BYTES] != second[:NONCE_BYTES]  # a fresh challenge every time
+        assert after == b""
+        assert p.rx.refused_peers == 1  # the recorded session itself authenticated (then hung up)
+
+
+@pytest.mark.parametrize("kind", LISTENING + ["inprocess"])
+async def test_the_connecting_side_refuses_a_listener_without_the_secret(kind: str) -> None:
+    async with paired(kind, pair=False) as p:
+        async with anyio.create_task_group() as tg:
+            from transport_harness import make_transport
+
+            outsider = make_transport(kind, p.hub, p.dst[0].numel() * 4, secret=STRANGER)
+            info = await outsider.start(tg, p.dst.clone(), make_record(p.dst[0].numel() * 4))
+            with pytest.raises(AuthenticationFailed):
+                await p.tx.pair(info)
+            await outsider.aclose()
+
+
+async def test_a_listener_that_does_not_prove_the_secret_hears_no_hello() -> None:
+    """The connector checks the listener's proof before it says anything about itself."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    got: list[bytes] = []
+
+    def fake_listener() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            opening = recv_exactly(conn, len(MAGIC) + NONCE_BYTES)
+            nonce = os.urandom(NONCE_BYTES)
+            conn.sendall(nonce + STRANGER.proof("listener", "tcp", opening[len(MAGIC):], nonce))
+            got.append(opening + recv_until_closed(conn))
+
+    with listener:
+        async with paired("tcp", pair=False) as p, anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, fake_listener)
+            with pytest.raises(AuthenticationFailed):
+                await p.tx.pair(EndpointInfo("tcp", f"127.0.0.1:{listener.getsockname()[1]}", make_record()))
+    assert len(got[0]) == len(MAGIC) + NONCE_BYTES  # its opening, then nothing: no record
+
+
+@pytest.mark.parametrize("kind", LISTENING)
+async def test_a_handshake_that_does_not_complete_is_closed(kind: str) -> None:
+    async with paired(kind, pair=False, handshake_timeout_s=0.3) as p:
+        def slow() -> tuple[bytes, bytes]:
+            with connect(p.rx_info.address) as silent, connect(p.rx_info.address) as half:
+                half.sendall(MAGIC)  # a few bytes of the opening, then nothing
+                return recv_until_closed(silent), recv_until_closed(half)
+
+        assert await anyio.to_thread.run_sync(slow) == (b"", b"")
+
+
+@pytest.mark.parametrize("kind", LISTENING)
+async def test_connections_beyond_the_cap_are_closed_and_the_endpoint_recovers(kind: str) -> None:
+    async with paired(kind, pair=False, max_connections=2, handshake_timeout_s=3.0) as p:
+        idle = [await anyio.to_thread.run_sync(connect, p.rx_info.address) for _ in range(2)]
+        with anyio.fail_after(2):
+            while p.rx._open_connections < 2:
+                await anyio.sleep(0.01)
+        third = await anyio.to_thread.run_sync(connect, p.rx_info.address)
+        third.settimeout(2)  # closed at once, not at the handshake timeout
+        with third:
+            assert await anyio.to_thread.run_sync(recv_until_closed, third) == b""
+        for s in idle:
+            s.close()
+        with anyio.fail_after(5):
+            while p.rx._open_connections:
+                await anyio.sleep(0.01)
+        p.peer = await p.tx.pair(p.rx_info)
+        _, result = await p.expect_and_push([1], [2])
+        assert result.ok, result
+
+
+@pytest.mark.parametrize("kind", LISTENING)
+async def test_a_paired_peer_that_goes_silent_is_closed_and_an_idle_pair_is_kept(kind: str) -> None:
+    async with paired(kind, keepalive_s=0.4) as p:
+        def silent_member() -> bytes:
+            with connect(p.rx_info.address) as s:
+                raw_authenticate(s, transport=kind)
+                s.sendall(hello_frame(kind))
+                return recv_until_closed(s)  # never pings back
+
+        received = await anyio.to_thread.run_sync(silent_member)
+        reply, *rest = frames(received)
+        assert isinstance(reply, HelloReply) and reply.accepted
+        assert rest and all(isinstance(f, Ping) for f in rest)  # pinged, then closed for its silence
+        await anyio.sleep(1.6)  # four keep-alive bounds with nothing to send
+        assert await p.tx.health() and await p.rx.health()
+        _, result = await p.expect_and_push([4], [5])
+        assert result.ok, result
+
+
+def test_the_secret_file_must_be_long_enough_and_is_never_shown(tmp_path) -> None:
+    short = tmp_path / "short"
+    short.write_bytes(b"x" * 31)
+    with pytest.raises(ValueError, match=f"{short}.*at least 32 bytes"):
+        DeploymentSecret.from_file(short)
+    with pytest.raises(ValueError, match="cannot read"):
+        DeploymentSecret.from_file(tmp_path / "missing")
+    good = tmp_path / "good"
+    good.write_bytes(b"k" * 44 + b"\n")
+    good.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    secret = DeploymentSecret.from_file(good)
+    assert "k" not in repr(secret)
+    assert secret.proof("listener", "tcp", b"a", b"b") == DeploymentSecret(b"k" * 44).proof("listener", "tcp", b"a", b"b")
+
+
+def test_a_proof_is_bound_to_role_transport_and_both_nonces() -> None:
+    base = TEST_SECRET.proof("listener", "tcp", b"n1", b"n2")
+    assert base != TEST_SECRET.proof("connector", "tcp", b"n1", b"n2")  # no reflection
+    assert base != TEST_SECRET.proof("listener", "nixl", b"n1", b"n2")
+    assert base != TEST_SECRET.proof("listener", "tcp", b"n3", b"n2")
+    assert base != STRANGER.proof("listener", "tcp", b"n1", b"n2")
+
+
+def test_a_capability_covers_every_field_it_names() -> None:
+    manifest = make_manifest(2)
+    info = EndpointInfo("tcp", "x:1", make_record())
+    cap = signed(manifest, [3, 4], info).capability
+    others = [signed(msgspec.structs.replace(manifest, **{f: "y"}), [3, 4], info).capability
+              for f in ("transfer_id", "lease", "nonce")]
+    others += [signed(manifest, [3, 5], info).capability, signed(manifest, [34], info).capability,
+               signed(msgspec.structs.replace(manifest, num_tokens=1), [3, 4], info).capability,
+               signed(manifest, [3, 4], EndpointInfo("tcp", "x:1", make_record())).capability,
+               signed(manifest, [3, 4], info, STRANGER).capability]
+    assert cap not in others and len(set(others)) == len(others)
+    assert TEST_SECRET.capability_ok(signed(manifest, [3, 4], info), [3, 4], info.record.incarnation)
+    assert not TEST_SECRET.capability_ok(manifest, [3, 4], info.record.incarnation)  # unsigned

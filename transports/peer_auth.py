@@ -1,0 +1,136 @@
+"""The deployment secret: mutual authentication of transport peers, and push capabilities.
+
+Every process of one deployment holds the same secret (generated per process when both workers
+live in it; read from `--transport-secret-file` when they do not). It never crosses the wire.
+Two keys are derived from it, one per use, so a MAC made for one purpose is never valid for the
+other.
+
+Peer authentication, before anything else is exchanged on a connection (three fixed-size
+messages, no parser runs on what an unauthenticated peer sends):
+
+    connector -> MAGIC + nonce_c                                    (5 + 32 bytes)
+    listener  -> nonce_l + HMAC(auth, "listener"  | transport | nonce_c | nonce_l)   (32 + 32)
+    connector ->           HMAC(auth, "connector" | transport | nonce_c | nonce_l)   (32)
+
+Each side proves it knows the secret over a nonce the other just chose, so a recorded handshake
+replays to nothing; the role label keeps a listener's proof from being reflected back as a
+connector's. A listener answers a wrong magic with nothing; a connector that fails the check gets
+no further byte (no record, no descriptor); a listener that fails it is dropped by the connector.
+
+A capability is a MAC, minted where a transfer is planned, over what the push may do: the
+transfer id, the destination lease, the destination pages, the token count, the nonce and the
+receiver's incarnation. The receiver recomputes it with its own incarnation before it arms a
+transfer and before it admits a push (transports/receiver_state.py), so a push planned for
+another lease, other pages, another nonce or an earlier incarnation of the receiver is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvfence.transports.base import TransferManifest
+from kvfence.transports.tcp_io import Channel
+
+log = logging.getLogger(__name__)
+
+SECRET_MIN_BYTES = 32
+NONCE_BYTES = 32
+MAC_BYTES = 32  # HMAC-SHA256
+MAGIC = b"KVFA\x01"  # protocol name and version of the handshake
+
+
+class AuthenticationFailed(ConnectionError):
+    """The peer did not prove that it holds the deployment secret."""
+
+
+class DeploymentSecret:
+    """The secret of one deployment; `repr` never shows it."""
+
+    __slots__ = ("_auth_key", "_capability_key")
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < SECRET_MIN_BYTES:
+            raise ValueError(f"a deployment secret needs at least {SECRET_MIN_BYTES} bytes, got {len(secret)}; "
+                             f"make one with: head -c 32 /dev/urandom | base64 > secret && chmod 600 secret")
+        self._auth_key = hmac.digest(secret, b"kvfence peer authentication v1", hashlib.sha256)
+        self._capability_key = hmac.digest(secret, b"kvfence push capability v1", hashlib.sha256)
+
+    def __repr__(self) -> str:
+        return "DeploymentSecret(<hidden>)"
+
+    @classmethod
+    def generate(cls) -> DeploymentSecret:
+        """A fresh secret, for a deployment that lives in one process."""
+        return cls(secrets.token_bytes(SECRET_MIN_BYTES))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> DeploymentSecret:
+        """The secret in `path` (its bytes, surrounding whitespace stripped). ValueError naming
+        the file when it cannot be read or is too short; a file others may read is logged."""
+        p = Path(path)
+        try:
+            data = p.read_bytes().strip()
+            mode = p.stat().st_mode
+        except OSError as e:
+            raise ValueError(f"--transport-secret-file {p}: cannot read it ({e.strerror or e})") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("--transport-secret-file %s can be read by other users (mode %o); chmod 600 it",
+                        p, stat.S_IMODE(mode))
+        try:
+            return cls(data)
+        except ValueError as e:
+            raise ValueError(f"--transport-secret-file {p}: {e}") from None
+
+    # -- peer authentication ---------------------------------------------------------------
+    def proof(self, role: str, transport: str, connector_nonce: bytes, listener_nonce: bytes) -> bytes:
+        """What `role` ("listener" or "connector") sends to prove it holds the secret."""
+        message = b"|".join((role.encode(), transport.encode(), connector_nonce, listener_nonce))
+        return hmac.digest(self._auth_key, message, hashlib.sha256)
+
+    def proves(self, mac: bytes, role: str, transport: str, connector_nonce: bytes, listener_nonce: bytes) -> bool:
+        return hmac.compare_digest(mac, self.proof(role, transport, connector_nonce, listener_nonce))
+
+    # -- capabilities ----------------------------------------------------------------------
+    def capability(self, manifest: TransferManifest, dst_pages: Sequence[int], receiver_incarnation: str) -> str:
+        """The capability of a push of `manifest` into `dst_pages` of that receiver incarnation (hex)."""
+        message = "\0".join((manifest.transfer_id, manifest.lease, manifest.nonce, receiver_incarnation,
+                             str(manifest.num_tokens), str(manifest.num_pages), ",".join(map(str, dst_pages))))
+        return hmac.digest(self._capability_key, message.encode(), hashlib.sha256).hex()
+
+    def capability_ok(self, manifest: TransferManifest, dst_pages: Sequence[int], receiver_incarnation: str) -> bool:
+        return hmac.compare_digest(manifest.capability, self.capability(manifest, dst_pages, receiver_incarnation))
+
+
+async def authenticate_as_connector(channel: Channel, secret: DeploymentSecret, transport: str) -> None:
+    """Run the handshake from the connecting side; AuthenticationFailed when the listener does
+    not prove the secret (the caller closes the connection; nothing was sent but nonces)."""
+    connector_nonce = secrets.token_bytes(NONCE_BYTES)
+    async with channel.send_lock:
+        await channel.send_raw(MAGIC + connector_nonce)
+    answer = await channel.recv_raw(NONCE_BYTES + MAC_BYTES)
+    listener_nonce, mac = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+    if not secret.proves(mac, "listener", transport, connector_nonce, listener_nonce):
+        raise AuthenticationFailed("the peer did not prove the deployment secret")
+    async with channel.send_lock:
+        await channel.send_raw(secret.proof("connector", transport, connector_nonce, listener_nonce))
+
+
+async def authenticate_as_listener(channel: Channel, secret: DeploymentSecret, transport: str) -> None:
+    """Run the handshake from the listening side; AuthenticationFailed when the connector does
+    not speak it or does not prove the secret (the caller closes the connection)."""
+    hello = await channel.recv_raw(len(MAGIC) + NONCE_BYTES)
+    if hello[:len(MAGIC)] != MAGIC:
+        raise AuthenticationFailed("the peer does not speak the kvfence handshake")
+    connector_nonce, listener_nonce = hello[len(MAGIC):], secrets.token_bytes(NONCE_BYTES)
+    async with channel.send_lock:
+        await channel.send_raw(listener_nonce + secret.proof("listener", transport, connector_nonce, listener_nonce))
+    mac = await channel.recv_raw(MAC_BYTES)
+    if not secret.proves(mac, "connector", transport, connector_nonce, listener_nonce):
+        raise AuthenticationFailed("the peer did not prove the deployment secret")
