@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -34,6 +35,9 @@ class MoveResult:
     # False when the sender did not acknowledge: a posted one-sided write may still read the
     # source pages, so they must not be reused either (FAILURES 9).
     source_quiet: bool = True
+    # When not quiet: waits until the sender learns that every write it posted is terminal (True:
+    # both ends' pages may be released then), or that it never will (False: they stay quarantined).
+    until_quiet: Callable[[], Awaitable[bool]] | None = None
 
 
 class TransferLink:
@@ -85,7 +89,15 @@ class TransferLink:
         land: a one-sided WRITE is the sender's, the receiver cannot stop it); the source only
         when the sender did (nothing it posted can still read it)."""
         sender_ack, receiver_ack = await self._cancel(transfer_id)
-        return MoveResult(False, reason, quiet=sender_ack and receiver_ack, source_quiet=sender_ack)
+        if sender_ack and receiver_ack:
+            return MoveResult(False, reason)
+
+        async def until_quiet() -> bool:
+            # every byte either pool can still see moves by a write the sender posted: once those are
+            # terminal (which only the sender learns), neither pool can be touched by this transfer
+            return await self.sender.wait_quiet(transfer_id)
+
+        return MoveResult(False, reason, quiet=False, source_quiet=sender_ack, until_quiet=until_quiet)
 
     async def _cancel(self, transfer_id: str) -> tuple[bool, bool]:
         """Cancel on both ends; each side's acknowledgement (sender, receiver)."""

@@ -98,3 +98,22 @@ async def until_transferring(scheduler: Scheduler, timeout_s: float = 5) -> None
     with anyio.fail_after(timeout_s):
         while not scheduler.transferring:
             await anyio.sleep(0.005)
+
+
+async def start_serving_over(tg: TaskGroup, checkpoint: Checkpoint, config: SchedulerConfig, num_pages: int,
+                             sender: Transport, receiver: Transport, secret: DeploymentSecret) -> Serving:
+    """Disaggregated serving over transports the test built itself (e.g. over a data plane of its
+    own), paired as `pair_workers` pairs the built-ins."""
+    from kvfence.scheduler.transfer import TransferLink
+
+    page = config.page_size_tokens
+    pw, dw = make_worker(checkpoint, "prefill", num_pages, page), make_worker(checkpoint, "decode", num_pages, page)
+    records = [role_record(w.pool, "tiny", config.max_context_tokens) for w in (pw, dw)]
+    receiver_info = await receiver.start(tg, dw.pool.data, records[1])
+    await sender.start(tg, pw.pool.data, records[0])
+    peer = await sender.pair(receiver_info)
+    link = TransferLink(sender, receiver, peer, page, records[0].page_nbytes, secret)
+    scheduler = Scheduler(config, checkpoint.tokenizer, channel(pw), channel(dw), prefill_pages=num_pages,
+                          decode_pages=num_pages, link=link)
+    await scheduler.run(tg)
+    return Serving(scheduler, [pw, dw], [sender, receiver])

@@ -127,6 +127,13 @@ class Transport(abc.ABC):
         """Stop a transfer on this side. Returns True once acknowledged: no further read (sender)
         or write (receiver) of its pages can happen. False: not confirmed (pages must stay quarantined)."""
 
+    async def wait_quiet(self, transfer_id: str) -> bool:
+        """Sender side, after `cancel(transfer_id)` returned False: wait until nothing this
+        endpoint started for the transfer can still read its pages or land in the peer's (True),
+        or until that can no longer be learnt (False: the pages stay quarantined for good). The
+        default never learns it."""
+        return False
+
     @abc.abstractmethod
     async def health(self) -> bool:
         """True when the endpoint can move bytes."""

@@ -115,6 +115,11 @@ class PoolEndpoint(Transport):
         self._outgoing.cancel(transfer_id)
         return True
 
+    async def wait_quiet(self, transfer_id: str) -> bool:
+        """True: `cancel` here is immediate, so nothing is left to wait for (the one-sided
+        transports override this)."""
+        return True
+
     def _check_push(self, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int]) -> PoolView:
         pool = self._started()[0]
         if self._closed:

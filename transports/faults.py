@@ -197,6 +197,11 @@ class FaultInjectingTransport(Transport):
         acknowledged = await self.inner.cancel(transfer_id)
         return acknowledged and transfer_id not in self._stuck
 
+    async def wait_quiet(self, transfer_id: str) -> bool:
+        if transfer_id in self._stuck:  # a cancel that is never acknowledged never quiets either
+            return False
+        return await self.inner.wait_quiet(transfer_id)
+
     async def health(self) -> bool:
         return await self.inner.health()
 

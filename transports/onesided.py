@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -58,6 +59,7 @@ from kvfence.transports.tcp_io import Channel, ConnectionGone, accept_forever, c
 from kvfence.transports.tcp_wire import ProtocolError
 
 log = logging.getLogger(__name__)
+LINGER_POLL_S = 0.01  # how often a plane is progressed for pushes that ended unproven only
 
 
 def _pinger(link: Link) -> Callable[[], Awaitable[None]]:
@@ -175,11 +177,15 @@ class OneSidedTransport(ListeningEndpoint):
         self._wake.set()
 
     async def _poll_loop(self) -> None:
-        """Poll write states and notifications while anything is in flight; sleep when idle."""
+        """Poll write states and notifications while anything is in flight; sleep when idle.
+        Pushes into this pool that ended unproven (`ReceiverHalf.lingering`) keep the plane
+        progressing, at a slower pace, for a while: a write still in flight into it may need
+        this end's progress to complete, and only its completion lets the sender quiet its pages."""
         delay = 0.0
         while True:
             rx = self._rx
-            if not self._sender.writes and not (rx is not None and rx.incoming):
+            lingering = rx is not None and rx.linger(time.monotonic())
+            if not self._sender.writes and not (rx is not None and rx.incoming) and not lingering:
                 self._wake = anyio.Event()
                 await self._wake.wait()
                 delay = 0.0
@@ -188,7 +194,12 @@ class OneSidedTransport(ListeningEndpoint):
             if rx is not None and (notes := self.plane.notifications()):
                 rx.on_notifications(notes)
                 progressed = True
-            delay = 0.0 if progressed else min(self.poll_interval_s, max(2 * delay, self.poll_interval_s / 16))
+            if progressed:
+                delay = 0.0
+            elif self._sender.writes or (rx is not None and rx.incoming):
+                delay = min(self.poll_interval_s, max(2 * delay, self.poll_interval_s / 16))
+            else:
+                delay = LINGER_POLL_S
             await anyio.sleep(delay)
 
     # -- pairing and pushing -----------------------------------------------------------------
@@ -249,6 +260,15 @@ class OneSidedTransport(ListeningEndpoint):
             if write is not None:
                 await write.done.wait()
         return (inc is None or inc.proven) and (write is None or write.state is not WriteState.PENDING)
+
+    async def wait_quiet(self, transfer_id: str) -> bool:
+        """After `cancel` returned False: wait until every write this endpoint posted for the
+        transfer is terminal (True: from then on none of its bytes can land anywhere or read the
+        source), or the transport shut down first (False: never quiet). A receiving endpoint
+        cannot learn that itself: for a push it said "go" to and lost track of, False."""
+        if self._rx is not None and transfer_id in self._rx.unproven:
+            return False
+        return await self._sender.wait_quiet(transfer_id)
 
     # -- health and shutdown -----------------------------------------------------------------
     async def health(self) -> bool:

@@ -11,6 +11,8 @@ without that proof: a write already posted may still land in its dst pages.
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -44,13 +46,24 @@ async def answer_hello(link: Link, me: EndpointInfo, descriptor: bytes, timeout_
     return problem is None
 
 
+UNPROVEN_KEPT = 4096
+
+
 class ReceiverHalf:
     """The pushes into one endpoint's pool that were told "go" (`incoming`, for the poller)."""
 
-    def __init__(self, receiver: PoolReceiver, kick: Callable[[], None]) -> None:
+    def __init__(self, receiver: PoolReceiver, kick: Callable[[], None], linger_s: float = 60.0) -> None:
         self.receiver = receiver
         self.kick = kick  # wakes the poller: a write may now land
         self.incoming: dict[str, Incoming] = {}  # "go" sent, writes not known terminal
+        # pushes that ended without proof that their writes are terminal (a lost link, a shutdown):
+        # this end can never learn it, so its `cancel` of them stays unacknowledged (the latest
+        # `UNPROVEN_KEPT`; an older one is long past any write's life)
+        self.unproven: OrderedDict[str, Incoming] = OrderedDict()
+        # of those, the ones whose writes may still be completing, until when (monotonic): the
+        # plane is kept progressing for them (see OneSidedTransport._poll_loop)
+        self.lingering: dict[str, float] = {}
+        self.linger_s = linger_s
 
     def on_message(self, link: Link, message: Message) -> None:
         """A message from the sender at the other end of `link`."""
@@ -97,14 +110,30 @@ class ReceiverHalf:
     def _end(self, inc: Incoming, reason: str, proven: bool) -> None:
         self.incoming.pop(inc.adm.transfer_id, None)
         inc.settle(proven)
+        if not proven:
+            tid = inc.adm.transfer_id
+            self.unproven[tid] = inc
+            self.lingering[tid] = time.monotonic() + self.linger_s
+            while len(self.unproven) > UNPROVEN_KEPT:
+                self.lingering.pop(self.unproven.popitem(last=False)[0], None)
         self.receiver.abort(inc.adm, reason)  # no-op when it was cancelled already
 
     def on_notifications(self, notes: list[tuple[str, bytes]]) -> None:
         """Notifications from the plane: each names a transfer whose writes all landed. Ones
         for transfers not in flight here (ended, or never said "go" to) are ignored."""
         for _peer, note in notes:
-            if (inc := self.incoming.get(note.decode("ascii", "replace"))) is not None:
+            tid = note.decode("ascii", "replace")
+            if (inc := self.incoming.get(tid)) is not None:
                 self._landed(inc)
+            elif tid in self.unproven:  # the last write of a push that had lost its link landed after all
+                self.lingering.pop(tid, None)
+                self.unproven.pop(tid).proven = True
+
+    def linger(self, now_s: float) -> bool:
+        """Forget lingering pushes past their time; True while any is left."""
+        for tid in [t for t, until in self.lingering.items() if until <= now_s]:
+            del self.lingering[tid]
+        return bool(self.lingering)
 
     def cancel(self, transfer_id: str) -> Incoming | None:
         """Un-expect the transfer (nothing of it is accepted any more); when it is in flight, ask
@@ -113,7 +142,7 @@ class ReceiverHalf:
         inc = self.incoming.get(transfer_id)
         if inc is not None:
             inc.link.send(Stop(transfer_id, "cancelled"))
-        return inc
+        return inc or self.unproven.get(transfer_id)
 
     def stop_all(self) -> None:
         """Closing: ask every sender writing into the pool to stop (to them, the peer is lost)."""

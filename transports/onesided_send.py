@@ -50,6 +50,9 @@ class SenderHalf:
         self.cancel_ack_timeout_s = cancel_ack_timeout_s
         self.writes: list[Write] = []  # posted and not yet terminal
         self.sending: dict[str, Sending] = {}
+        # pushes that returned (their task cancelled) with a write still PENDING, by transfer id,
+        # until the poller sees that write terminal: what `cancel` and `wait_quiet` consult then
+        self.unsettled: dict[str, Write] = {}
 
     async def push(self, link: Link, pool: PoolView, manifest: TransferManifest, src_pages: list[int],
                    dst_pages: list[int]) -> TransferResult:
@@ -121,19 +124,20 @@ class SenderHalf:
             s.write = write = Write(handle)
             self.writes.append(write)
             self.kick()
-            await self._until_terminal(s, write)
+            await self._until_terminal(s, write, tid)
             if write.state is not WriteState.DONE:
                 s.out.settle(False, "write_failed")
                 return False
         return True
 
-    async def _until_terminal(self, s: Sending, write: Write) -> None:
+    async def _until_terminal(self, s: Sending, write: Write, tid: str) -> None:
         try:
             await write.done.wait()
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.cancel_ack_timeout_s):
                 await write.done.wait()
             if write.state is WriteState.PENDING:  # unconfirmed: the receiver must stop trusting the pair
+                self.unsettled[tid] = write  # the poller keeps watching it: see `wait_quiet`
                 s.link.lose("peer_lost")
             raise
 
@@ -151,6 +155,10 @@ class SenderHalf:
                 log.exception("releasing a terminal %s write failed", self.plane.name)
             write.finish(state)
             progressed = True
+        if progressed and self.unsettled:
+            for tid in [t for t, w in self.unsettled.items() if w.state is not WriteState.PENDING]:
+                log.info("transfer %s: its last write, left pending when the push gave up, is now %s", tid,
+                         self.unsettled.pop(tid).state.value)
         return progressed
 
     def on_message(self, link: Link, message: Message) -> None:
@@ -182,10 +190,24 @@ class SenderHalf:
                 s.out.settle(False, link.lost_reason)
 
     def cancel(self, transfer_id: str) -> Write | None:
-        """Stop pushing `transfer_id`; the write that may still read its pages, if any."""
+        """Stop pushing `transfer_id`; the write that may still read its pages, if any (also one
+        its push left pending when it gave up)."""
         s = self.sending.get(transfer_id)
         self.outgoing.cancel(transfer_id)
-        return s.write if s is not None else None
+        return s.write if s is not None else self.unsettled.get(transfer_id)
+
+    async def wait_quiet(self, transfer_id: str) -> bool:
+        """Until no write of `transfer_id` is pending: True once they are all terminal (at once if
+        none is), False when the transport shut down with one still PENDING (its bytes may still
+        land: never quiet)."""
+        write = self.unsettled.get(transfer_id)
+        if write is None:
+            s = self.sending.get(transfer_id)
+            write = s.write if s is not None else None
+        if write is None:
+            return True
+        await write.done.wait()
+        return write.state is not WriteState.PENDING
 
     def abandon(self) -> None:
         """Shutting down: wake every push still waiting for a write (which stays unconfirmed)."""

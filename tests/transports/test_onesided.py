@@ -327,6 +327,47 @@ async def test_a_cancelled_push_task_whose_write_never_ends_drops_the_pair() -> 
             scope.cancel()
         assert (await p.rx.completion(manifest.transfer_id)).reason == "peer_lost"
         assert not await p.tx.health()
+        # the push has returned, but its write is still pending: neither end may acknowledge a
+        # cancel (FAILURES 8, 9), and the sender learns when the write is terminal
+        assert await p.tx.cancel(manifest.transfer_id) is False
+        assert await p.rx.cancel(manifest.transfer_id) is False
+        assert await p.rx.wait_quiet(manifest.transfer_id) is False  # the receiver cannot know it
+        quiet: list[bool] = []
+        async with anyio.create_task_group() as tg:
+            async def wait() -> None:
+                quiet.append(await p.tx.wait_quiet(manifest.transfer_id))
+
+            tg.start_soon(wait)
+            await anyio.sleep(0.05)
+            assert quiet == []  # not before the write is terminal
+            p.fabric.land(p.fabric.writes[0])  # the late write lands
+        assert quiet == [True]
+        assert await p.tx.cancel(manifest.transfer_id) is True  # and now it is acknowledged
+
+
+async def test_a_write_still_pending_at_shutdown_never_quiets() -> None:
+    async with fake_pair(cancel_ack_timeout_s=0.2) as p:
+        p.fabric.hold = True
+        manifest, scope = signed(make_manifest(1), [0], p.rx.info), anyio.CancelScope()
+        p.rx.expect(manifest, [0])
+
+        async def push() -> None:
+            with scope:
+                await p.tx.push(p.peer, manifest, [0], [0])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(push)
+            await posted(p.fabric, 1)
+            scope.cancel()
+        quiet: list[bool] = []
+        async with anyio.create_task_group() as tg:
+            async def wait() -> None:
+                quiet.append(await p.tx.wait_quiet(manifest.transfer_id))
+
+            tg.start_soon(wait)
+            await anyio.sleep(0.05)
+            await p.tx.aclose()  # gives up on the write: it may still land, so never quiet
+        assert quiet == [False]
 
 
 async def test_a_pool_that_is_not_on_the_cpu_is_refused() -> None:
