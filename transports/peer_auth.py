@@ -26,6 +26,7 @@ another lease, other pages, another nonce or an earlier incarnation of the recei
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import logging
@@ -100,12 +101,17 @@ class DeploymentSecret:
     # -- capabilities ----------------------------------------------------------------------
     def capability(self, manifest: TransferManifest, dst_pages: Sequence[int], receiver_incarnation: str) -> str:
         """The capability of a push of `manifest` into `dst_pages` of that receiver incarnation (hex)."""
-        message = "\0".join((manifest.transfer_id, manifest.lease, manifest.nonce, receiver_incarnation,
-                             str(manifest.num_tokens), str(manifest.num_pages), ",".join(map(str, dst_pages))))
-        return hmac.digest(self._capability_key, message.encode(), hashlib.sha256).hex()
+        fields = "\0".join((manifest.transfer_id, manifest.lease, manifest.nonce, receiver_incarnation,
+                            str(manifest.num_tokens), str(manifest.num_pages), ""))
+        pages = array.array("q", dst_pages).tobytes()  # OverflowError past int64: never a page
+        return hmac.digest(self._capability_key, fields.encode() + pages, hashlib.sha256).hex()
 
     def capability_ok(self, manifest: TransferManifest, dst_pages: Sequence[int], receiver_incarnation: str) -> bool:
-        return hmac.compare_digest(manifest.capability, self.capability(manifest, dst_pages, receiver_incarnation))
+        try:
+            want = self.capability(manifest, dst_pages, receiver_incarnation)
+        except (OverflowError, TypeError):  # pages no planner could have named
+            return False
+        return hmac.compare_digest(manifest.capability, want)
 
 
 async def authenticate_as_connector(channel: Channel, secret: DeploymentSecret, transport: str) -> None:
