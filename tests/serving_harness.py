@@ -101,9 +101,11 @@ async def until_transferring(scheduler: Scheduler, timeout_s: float = 5) -> None
 
 
 async def start_serving_over(tg: TaskGroup, checkpoint: Checkpoint, config: SchedulerConfig, num_pages: int,
-                             sender: Transport, receiver: Transport, secret: DeploymentSecret) -> Serving:
+                             sender: Transport, receiver: Transport, secret: DeploymentSecret,
+                             route=None) -> Serving:  # type: ignore[no-untyped-def]
     """Disaggregated serving over transports the test built itself (e.g. over a data plane of its
-    own), paired as `pair_workers` pairs the built-ins."""
+    own), paired as `pair_workers` pairs the built-ins. `route(info)`: an async function giving
+    the receiver info the sender dials instead (e.g. through a relay)."""
     from kvfence.scheduler.transfer import TransferLink
 
     page = config.page_size_tokens
@@ -111,7 +113,7 @@ async def start_serving_over(tg: TaskGroup, checkpoint: Checkpoint, config: Sche
     records = [role_record(w.pool, "tiny", config.max_context_tokens) for w in (pw, dw)]
     receiver_info = await receiver.start(tg, dw.pool.data, records[1])
     await sender.start(tg, pw.pool.data, records[0])
-    peer = await sender.pair(receiver_info)
+    peer = await sender.pair(receiver_info if route is None else await route(receiver_info))
     link = TransferLink(sender, receiver, peer, page, records[0].page_nbytes, secret)
     scheduler = Scheduler(config, checkpoint.tokenizer, channel(pw), channel(dw), prefill_pages=num_pages,
                           decode_pages=num_pages, link=link)
