@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
-from serving_harness import Serving, start_serving, wait_idle
+from serving_harness import Serving, start_serving, until_transferring, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
@@ -21,10 +21,10 @@ SHORT = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 PROMPT = [21, 22, 23, 24, 25, 26, 27]
 
 
-async def serve(tg: anyio.abc.TaskGroup, tiny: Checkpoint, mode: str) -> Serving:
+async def serve(tg: anyio.abc.TaskGroup, tiny: Checkpoint, mode: str, faults: str = "") -> Serving:
     config = SchedulerConfig(page_size_tokens=4, max_context_tokens=96, chunk_tokens=16,
                              disaggregated=mode != "colocated", transfer_timeout_s=5, heartbeat_s=0.1)
-    return await start_serving(tg, tiny, mode, config, num_pages=64)
+    return await start_serving(tg, tiny, mode, config, num_pages=64, faults=faults)
 
 
 async def rest(handle: RequestHandle, restart_after: int = 0, channel: object = None,
@@ -80,6 +80,27 @@ async def test_prefill_restart_spares_requests_that_already_moved_to_decode(tiny
         ids, reason, _, _ = await rest(sched.submit(PROMPT * 2, LONG))
         assert (ids, reason) == (want, "length")
         await wait_idle(s.scheduler)
+        await s.aclose()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("mode", ["tcp", "inprocess"])
+async def test_a_decode_restart_while_its_transfer_is_in_flight_fails_it_with_503(tiny: Checkpoint, mode: str) -> None:
+    """FAILURES 13 and 19: the decode worker restarts while the KV of a request is on its way to
+    it: that request ends with 503 `worker_restarted` once the transfer is quiet (no token, never
+    `length`), its pages come back, and the next request is served exactly."""
+    async with anyio.create_task_group() as tg:
+        s = await serve(tg, tiny, mode, faults="delay=1#2")  # the second push takes a second
+        sched = s.scheduler
+        want, _, _, _ = await rest(sched.submit(PROMPT, SHORT))
+        handle = sched.submit(PROMPT, SHORT)
+        await until_transferring(sched)
+        await sched.decode.channel.restart()
+        with anyio.fail_after(10):
+            assert await rest(handle) == ([], None, 503, "worker_restarted")
+        await wait_idle(sched)
+        assert await rest(sched.submit(PROMPT, SHORT)) == (want, "length", None, None)
+        await wait_idle(sched)
         await s.aclose()
         tg.cancel_scope.cancel()
 
