@@ -9,19 +9,18 @@ from __future__ import annotations
 import importlib.util
 import socket
 import threading
-from typing import ClassVar
 
 import anyio
 import pytest
 import torch
+from nixl_planes import PlaneTransport, WrappedNixlPlane
 from serving_harness import start_serving_over, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.onesided import OneSidedTransport
+from kvfence.transports.data_plane import WriteState
 from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
 from kvfence.transports.tcp import TcpTransport, split_address
 from kvfence.transports.tcp_wire import LEN_SIZE, Page, PushHeader, decode_frame, frame_length
@@ -134,71 +133,48 @@ async def test_a_byte_flipped_on_the_wire_is_caught_by_the_receivers_digest(tiny
         tg.cancel_scope.cancel()
 
 
-class FlippingPlane(DataPlane):
+class FlippingPlane(WrappedNixlPlane):
     """A real NIXL plane that flips one byte of the source range of its `flip_write`-th write
     right as it posts it (after the sender's digests were computed), restoring it once DONE."""
 
-    name: ClassVar[str] = "nixl"
-    delivers_notifications: ClassVar[bool] = True
-
     def __init__(self, flip_write: int) -> None:
-        from kvfence.transports.nixl_plane import NixlPlane
-
-        self.inner, self.flip_write, self.posts, self.flipped = NixlPlane(), flip_write, 0, 0
-        self.memory = None
+        super().__init__()
+        self.flip_write, self.posts, self.flipped = flip_write, 0, 0
+        self.memory: torch.Tensor | None = None
         self.restore: dict[int, int] = {}  # id(handle) -> offset to flip back
 
-    def open(self, memory):  # type: ignore[no-untyped-def]
+    def open(self, memory: torch.Tensor) -> bytes:
         self.memory = memory.reshape(-1).view(torch.uint8)
-        return self.inner.open(memory)
-
-    def connect(self, descriptor: bytes) -> str:
-        return self.inner.connect(descriptor)
+        return super().open(memory)
 
     def post_write(self, peer: str, ranges: list[tuple[int, int, int]], notification: bytes) -> object:
+        assert self.memory is not None
         self.posts += 1
         offset = None
         if self.posts == self.flip_write:
             offset = ranges[0][0] + ranges[0][2] // 3
             self.memory[offset] ^= 1
             self.flipped += 1
-        handle = self.inner.post_write(peer, ranges, notification)
+        handle = super().post_write(peer, ranges, notification)
         if offset is not None:
             self.restore[id(handle)] = offset
         return handle
 
     def state(self, handle: object) -> WriteState:
-        state = self.inner.state(handle)
+        state = super().state(handle)
         if state is not WriteState.PENDING and (offset := self.restore.pop(id(handle), None)) is not None:
+            assert self.memory is not None
             self.memory[offset] ^= 1
         return state
-
-    def release(self, handle: object) -> None:
-        self.inner.release(handle)
-
-    def notifications(self) -> list[tuple[str, bytes]]:
-        return self.inner.notifications()
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class PlaneNixl(OneSidedTransport):
-    name: ClassVar[str] = "nixl"
-
-    def __init__(self, plane: DataPlane, secret: DeploymentSecret) -> None:
-        super().__init__(plane, secret=secret)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 async def test_a_byte_flipped_under_a_one_sided_write_is_caught_by_the_receivers_digest(tiny: Checkpoint) -> None:
-    from kvfence.transports.nixl_plane import NixlPlane
-
     secret = DeploymentSecret.generate()
     plane = FlippingPlane(flip_write=2)
     async with anyio.create_task_group() as tg:
-        s = await start_serving_over(tg, tiny, CONFIG, 64, PlaneNixl(plane, secret), PlaneNixl(NixlPlane(), secret),
-                                     secret)
+        s = await start_serving_over(tg, tiny, CONFIG, 64, PlaneTransport(plane, secret),
+                                     PlaneTransport(WrappedNixlPlane(), secret), secret)
         want, reason, error = await outcome(s.scheduler)
         assert (reason, error) == ("length", None) and len(want) == 4
         with anyio.fail_after(10):

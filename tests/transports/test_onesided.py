@@ -6,7 +6,7 @@ test_nixl_plane.py, and the transport end to end by the conformance suites (kind
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import ClassVar
@@ -310,21 +310,41 @@ async def test_the_poller_sleeps_when_nothing_is_in_flight() -> None:
         assert p.tx.plane.polls + p.rx.plane.polls == polls  # type: ignore[attr-defined]
 
 
+async def push_cancelled_mid_write(p: Pair, pages: list[int]) -> TransferManifest:
+    """A push whose task is cancelled while its (held) write is still pending; returns once the
+    push gave up on it (after `cancel_ack_timeout_s`)."""
+    p.fabric.hold = True
+    manifest, scope = signed(make_manifest(len(pages)), pages, p.rx.info), anyio.CancelScope()
+    p.rx.expect(manifest, pages)
+
+    async def push() -> None:
+        with scope:
+            await p.tx.push(p.peer, manifest, pages, pages)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(push)
+        await posted(p.fabric, 1)
+        scope.cancel()
+    return manifest
+
+
+async def quiet_while(p: Pair, transfer_id: str, meanwhile: Callable[[], Awaitable[None]]) -> list[bool]:
+    """What the sender's `wait_quiet` says, if anything, by the time `meanwhile` has run."""
+    quiet: list[bool] = []
+    async with anyio.create_task_group() as tg:
+        async def wait() -> None:
+            quiet.append(await p.tx.wait_quiet(transfer_id))
+
+        tg.start_soon(wait)
+        await anyio.sleep(0.05)
+        assert quiet == []  # not before the write is terminal
+        await meanwhile()
+    return quiet
+
+
 async def test_a_cancelled_push_task_whose_write_never_ends_drops_the_pair() -> None:
     async with fake_pair(cancel_ack_timeout_s=0.2) as p:
-        p.fabric.hold = True
-        manifest, scope = make_manifest(2), anyio.CancelScope()
-        manifest = signed(manifest, [0, 1], p.rx.info)
-        p.rx.expect(manifest, [0, 1])
-
-        async def push() -> None:
-            with scope:
-                await p.tx.push(p.peer, manifest, [0, 1], [0, 1])
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(push)
-            await posted(p.fabric, 1)
-            scope.cancel()
+        manifest = await push_cancelled_mid_write(p, [0, 1])
         assert (await p.rx.completion(manifest.transfer_id)).reason == "peer_lost"
         assert not await p.tx.health()
         # the push has returned, but its write is still pending: neither end may acknowledge a
@@ -332,42 +352,19 @@ async def test_a_cancelled_push_task_whose_write_never_ends_drops_the_pair() -> 
         assert await p.tx.cancel(manifest.transfer_id) is False
         assert await p.rx.cancel(manifest.transfer_id) is False
         assert await p.rx.wait_quiet(manifest.transfer_id) is False  # the receiver cannot know it
-        quiet: list[bool] = []
-        async with anyio.create_task_group() as tg:
-            async def wait() -> None:
-                quiet.append(await p.tx.wait_quiet(manifest.transfer_id))
 
-            tg.start_soon(wait)
-            await anyio.sleep(0.05)
-            assert quiet == []  # not before the write is terminal
-            p.fabric.land(p.fabric.writes[0])  # the late write lands
-        assert quiet == [True]
+        async def late_landing() -> None:
+            p.fabric.land(p.fabric.writes[0])
+
+        assert await quiet_while(p, manifest.transfer_id, late_landing) == [True]
         assert await p.tx.cancel(manifest.transfer_id) is True  # and now it is acknowledged
 
 
 async def test_a_write_still_pending_at_shutdown_never_quiets() -> None:
     async with fake_pair(cancel_ack_timeout_s=0.2) as p:
-        p.fabric.hold = True
-        manifest, scope = signed(make_manifest(1), [0], p.rx.info), anyio.CancelScope()
-        p.rx.expect(manifest, [0])
-
-        async def push() -> None:
-            with scope:
-                await p.tx.push(p.peer, manifest, [0], [0])
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(push)
-            await posted(p.fabric, 1)
-            scope.cancel()
-        quiet: list[bool] = []
-        async with anyio.create_task_group() as tg:
-            async def wait() -> None:
-                quiet.append(await p.tx.wait_quiet(manifest.transfer_id))
-
-            tg.start_soon(wait)
-            await anyio.sleep(0.05)
-            await p.tx.aclose()  # gives up on the write: it may still land, so never quiet
-        assert quiet == [False]
+        manifest = await push_cancelled_mid_write(p, [0])
+        # closing gives up on the write: it may still land, so it is never quiet
+        assert await quiet_while(p, manifest.transfer_id, p.tx.aclose) == [False]
 
 
 async def test_a_pool_that_is_not_on_the_cpu_is_refused() -> None:
