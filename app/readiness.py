@@ -2,9 +2,13 @@
 
 At start the canary prompt's greedy answer is computed on the prefill worker's model alone, in a
 small pool of its own (no transport involved). Then, and again every `interval_s`, the same prompt
-goes through the real serving path (scheduler -> prefill worker -> transport -> decode worker) as
-an ordinary request. The server is ready only while the last canary produced exactly the known
-answer; a wrong answer, an error or a timeout makes `/ready` 503 until a canary passes again.
+goes through the real serving path (scheduler -> prefill worker -> transport -> decode worker).
+The server is ready only while the last canary produced exactly the known answer; a wrong answer,
+an error or a timeout makes `/ready` 503 until a canary passes again.
+
+Busy is not broken: the canary enters through the scheduler's priority path (ahead of the queue,
+outside the running-slot limit, taking its pages from the newest running request when the decode
+pool is full), so a saturated but healthy server stays ready. It still runs the real path.
 """
 
 from __future__ import annotations
@@ -61,13 +65,16 @@ class ReadinessCanary:
         """One canary through the serving path; updates `passed`."""
         if self.expected is None:
             self.expected = await self.scheduler.prefill.channel.compute.run(self._local_answer)
-        try:
-            handle = self.scheduler.submit(self.prompt, self.params)
-        except AdmissionRejected as e:  # busy or draining: no verdict, keep the last one
-            log.info("readiness canary not admitted (%s); keeping the last verdict", e.code)
-            return self.passed
         ids: list[int] = []
         error = ""
+        try:
+            handle = self.scheduler.submit_priority(self.prompt, self.params)
+        except AdmissionRejected as e:
+            if self.scheduler.draining:  # /ready is 503 while draining anyway: no new verdict
+                log.info("readiness canary not admitted (%s); keeping the last verdict", e.code)
+                return self.passed
+            # Load never refuses the priority path: a refusal (pages quarantined) is a broken path.
+            return self._verdict([], f"{e.code}: {e.message}")
         with anyio.move_on_after(self.timeout_s) as scope:
             async for delta in handle.deltas():
                 ids += delta.token_ids
@@ -76,6 +83,9 @@ class ReadinessCanary:
         if scope.cancelled_caught:
             handle.abort()
             error = f"no answer within {self.timeout_s:g} s"
+        return self._verdict(ids, error)
+
+    def _verdict(self, ids: list[int], error: str) -> bool:
         ok = not error and ids == self.expected
         if not ok:
             self.last_failure = error or f"answer {ids} != known {self.expected}"

@@ -7,6 +7,9 @@ Page ownership: every request gets a lease per pool it uses (minted here, 128-bi
 hands pages to a lease at admission; the worker tags them with the lease when the first message
 that uses them arrives; releasing a lease returns its pages to the ledger at once and the worker
 untags them in the next message it receives (before any new grant in that message).
+
+Decode pages grow with the sequence, and the newest running request is preempted when the pool
+runs out (preemption.py); admission still takes only requests that can ever fit (admission.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import anyio
 from anyio.abc import TaskGroup
@@ -22,13 +26,15 @@ from kvfence.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.worker import WorkerChannel
+from kvfence.scheduler.admission import Refusal, quarantine_refusal, size_refusal
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.errors import AdmissionRejected, RequestError, context_length_exceeded, overloaded
+from kvfence.scheduler.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.scheduler.handle import OutputDelta, RequestHandle
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import Landing, PageGrant, SeqStep, StepDone, StepFailed, WorkerReply, id_hex
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.policy import decode_steps, prefill_chunks
+from kvfence.scheduler.preemption import Preemption
 from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.scheduler.worker_pool import WorkerPool
@@ -36,7 +42,7 @@ from kvfence.scheduler.worker_pool import WorkerPool
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(Preemption):
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, prefill: WorkerChannel,
                  decode: WorkerChannel | None, *, prefill_pages: int, decode_pages: int,
                  link: TransferLink | None = None, metrics: SchedulerMetrics | None = None) -> None:
@@ -44,8 +50,8 @@ class Scheduler:
             raise ValueError("disaggregated mode needs a decode worker and a transfer link; colocated needs neither")
         self.config = config
         self.tokenizer = tokenizer
-        self.prefill = WorkerPool(prefill, prefill_pages)
-        self.decode = WorkerPool(decode, decode_pages) if decode is not None else self.prefill
+        self.prefill = WorkerPool(prefill, prefill_pages, self._pages_returned)
+        self.decode = WorkerPool(decode, decode_pages, self._pages_returned) if decode is not None else self.prefill
         self.link = link
         self.metrics = metrics or SchedulerMetrics()
         self.queue: deque[Request] = deque()  # admitted, waiting for pages
@@ -53,6 +59,7 @@ class Scheduler:
         self.decoding: list[Request] = []
         self.transferring: set[Request] = set()
         self.draining = False
+        self._arrivals = 0  # admission order (Request.arrival)
         self._step_id = 0
         self._prefill_work = anyio.Event()  # one wake-up event per loop, so none is missed
         self._decode_work = anyio.Event()
@@ -65,9 +72,11 @@ class Scheduler:
     def refresh_metrics(self) -> None:
         pools = [("colocated", self.prefill)] if self.decode is self.prefill else \
             [("prefill", self.prefill), ("decode", self.decode)]
+        now = time.monotonic()
         for role, pool in pools:
-            quarantined = pool.ledger.num_quarantined
-            self.metrics.pool(role, pool.ledger.num_pages, pool.ledger.num_used - quarantined, quarantined)
+            quarantined, since = pool.ledger.num_quarantined, pool.ledger.quarantined_since
+            self.metrics.pool(role, pool.ledger.num_pages, pool.ledger.num_used - quarantined, quarantined,
+                              0.0 if since is None else now - since)
         self.metrics.queue_sizes(len(self.queue), len(self.prefilling) + len(self.decoding) + len(self.transferring))
 
     def in_flight(self) -> int:
@@ -84,42 +93,47 @@ class Scheduler:
 
     def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
         """Admit or raise AdmissionRejected; nothing is reserved for a rejected request."""
-        limit = self.config.max_context_tokens
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt)
-        if not prompt:
-            raise AdmissionRejected(400, "invalid_prompt", "the prompt is empty", param="prompt")
-        if len(prompt) >= limit or len(prompt) + max_tokens > limit:
-            self.metrics.rejected("context_length")
-            raise context_length_exceeded(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the completion).",
-                param="max_tokens" if len(prompt) < limit else "messages")
-        # Invariant 1 also holds when a pool is smaller than the context (a sizing guard that was
-        # bypassed or misconfigured): a request that can never fit is refused now, never queued.
-        prompt_room = self.prefill.ledger.num_pages * self.config.page_size_tokens
-        total_room = self.decode.ledger.num_pages * self.config.page_size_tokens
-        if len(prompt) > prompt_room or len(prompt) + max_tokens > total_room:
-            self.metrics.rejected("pool_capacity")
-            colocated = self.decode is self.prefill
-            too_long_prompt = len(prompt) >= total_room if colocated else len(prompt) > prompt_room
-            raise context_length_exceeded(
-                f"This request needs {len(prompt)} prompt tokens and {len(prompt) + max_tokens} tokens in all, "
-                f"but the KV pools hold {prompt_room} (prefill) and {total_room} (decode) tokens.",
-                param="messages" if too_long_prompt else "max_tokens")
-        if self.draining:
-            self.metrics.rejected("draining")
-            raise overloaded("the server is shutting down; retry on another replica", retry_after_s=5)
+        max_tokens = self._admissible(prompt, params)
         would_wait = bool(self.queue) or self._num_running() >= self.config.max_running \
-            or not self._can_reserve(prompt, max_tokens)
+            or not self._can_reserve(len(prompt), self._num_running())
         if would_wait and len(self.queue) >= self.config.max_queue:
             self.metrics.rejected("queue_full")
             raise overloaded(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
+        return self._enqueue(prompt, params, max_tokens, priority=False)
+
+    def submit_priority(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
+        """Admit a server-internal request (the readiness canary; the HTTP API never calls this)
+        ahead of every queued one: no queue or running-slot limit applies, and when the decode pool
+        is full the newest running request is preempted to make room for it. Admission is checked
+        exactly as for `submit`."""
+        return self._enqueue(prompt, params, self._admissible(prompt, params), priority=True)
+
+    def _admissible(self, prompt: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens if it can ever be served; else raise AdmissionRejected."""
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_context_tokens - len(prompt)
+        if not prompt:
+            raise AdmissionRejected(400, "invalid_prompt", "the prompt is empty", param="prompt")
+        refusal = size_refusal(self.config, self.prefill.ledger, self.decode.ledger, len(prompt), max_tokens) \
+            or self._quarantine_refusal(len(prompt), len(prompt), max_tokens)
+        if refusal is not None:
+            self.metrics.rejected(refusal.reason)
+            raise refusal.error
+        if self.draining:
+            self.metrics.rejected("draining")
+            raise overloaded("the server is shutting down; retry on another replica", retry_after_s=5)
+        return max_tokens
+
+    def _enqueue(self, prompt: list[int], params: SamplingParams, max_tokens: int, *, priority: bool) -> RequestHandle:
+        self._arrivals += 1
         request_id = id_hex(mint_id())
         req = Request(request_id, list(prompt), params, max_tokens, handle=None,  # type: ignore[arg-type]
                       detok=IncrementalDetokenizer(self.tokenizer, prompt), stops=StopStringMatcher(params.stop),
-                      tokens=list(prompt))
+                      tokens=list(prompt), prefill_target=len(prompt), arrival=self._arrivals, priority=priority)
         req.handle = RequestHandle(request_id, req.prompt, lambda: self.abort(req))
-        self.queue.append(req)
+        if priority:
+            self.queue.insert(self._queue_front(), req)
+        else:
+            self.queue.append(req)
         self._reserve_queued()
         self.metrics.queue_sizes(len(self.queue), self._num_running())
         self._wake()
@@ -128,37 +142,79 @@ class Scheduler:
     def _num_running(self) -> int:
         return len(self.prefilling) + len(self.decoding) + len(self.transferring)
 
-    def _can_reserve(self, prompt: list[int], max_tokens: int) -> bool:
-        need_decode = self.config.pages_for(len(prompt) + max_tokens)
+    def _queue_front(self) -> int:
+        """Where a request goes to be next: behind the priority requests already waiting."""
+        return next((i for i, r in enumerate(self.queue) if not r.priority), len(self.queue))
+
+    def _initial_pages(self, num_tokens: int) -> tuple[int, int]:
+        """Pages an attempt that prefills `num_tokens` reserves at admission, (prefill, decode): the
+        decode side also gets the page of the first token it generates; it grows from there."""
+        return self.config.pages_for(num_tokens), self.config.pages_for(num_tokens + 1)
+
+    def _can_reserve(self, num_tokens: int, headroom_pages: int = 0) -> bool:
+        need_prefill, need_decode = self._initial_pages(num_tokens)
         if self.decode is self.prefill:
-            return self.prefill.ledger.can_reserve(need_decode)
-        return (self.prefill.ledger.can_reserve(self.config.pages_for(len(prompt)))
-                and self.decode.ledger.can_reserve(need_decode))
+            return self.prefill.ledger.can_reserve(need_decode + headroom_pages)
+        return (self.prefill.ledger.can_reserve(need_prefill)
+                and self.decode.ledger.can_reserve(need_decode + headroom_pages))
+
+    def _quarantine_refusal(self, prompt_tokens: int, prefill_tokens: int, max_tokens: int) -> Refusal | None:
+        """A refusal (and a log line) when the request fits only with quarantined pages."""
+        needs = [(self.decode.role, self.decode.ledger, self.config.pages_for(prompt_tokens + max_tokens))]
+        if self.decode is not self.prefill:
+            needs.append((self.prefill.role, self.prefill.ledger, self.config.pages_for(prefill_tokens)))
+        refusal = quarantine_refusal(needs, time.monotonic())
+        if refusal is not None:
+            log.warning("request refused with 503: %s", refusal.error.message)
+        return refusal
 
     def _reserve_queued(self) -> None:
-        """Reserve pages for queued requests in FIFO order while they fit and slots are free."""
-        while self.queue and self._num_running() < self.config.max_running:
+        """Reserve pages for queued requests in order while they fit: a priority request as soon
+        as its pages are free; any other while a running slot is free and the decode pool keeps a
+        page of headroom per running request (each may need one more page soon), so a new request
+        does not take the page a running one is about to need. A queued request that can no
+        longer ever fit (pages were quarantined since it came) ends now with 503."""
+        if self.prefill.ledger.num_quarantined or self.decode.ledger.num_quarantined:
+            for req in list(self.queue):
+                refusal = self._quarantine_refusal(len(req.prompt), req.prefill_target, req.max_tokens)
+                if refusal is not None:
+                    self.queue.remove(req)
+                    self.metrics.rejected(refusal.reason)
+                    self._end(req, refusal.error, admit=False)
+        while self.queue:
             req = self.queue[0]
-            if not self._can_reserve(req.prompt, req.max_tokens):
+            running = self._num_running()
+            if not req.priority and running >= self.config.max_running:
+                return
+            if not self._can_reserve(req.prefill_target, 0 if req.priority else running):
                 return
             self.queue.popleft()
-            total = len(req.prompt) + req.max_tokens
+            need_prefill, need_decode = self._initial_pages(req.prefill_target)
             if self.decode is self.prefill:
                 req.prefill_lease = req.decode_lease = mint_id()
-                req.prefill_pages = req.decode_pages = self._grant(self.prefill, req.prefill_lease, total)
+                req.prefill_pages = req.decode_pages = self._grant(self.prefill, req.prefill_lease, need_decode)
             else:
                 req.prefill_lease, req.decode_lease = mint_id(), mint_id()
-                req.prefill_pages = self._grant(self.prefill, req.prefill_lease, len(req.prompt))
-                req.decode_pages = self._grant(self.decode, req.decode_lease, total)
+                req.prefill_pages = self._grant(self.prefill, req.prefill_lease, need_prefill)
+                req.decode_pages = self._grant(self.decode, req.decode_lease, need_decode)
             req.advance(State.PREFILLING)
-            self.prefilling.append(req)
+            if req.priority:  # its chunks go first
+                self.prefilling.insert(sum(1 for r in self.prefilling if r.priority), req)
+            else:
+                self.prefilling.append(req)
+            self._prefill_work.set()
 
-    def _grant(self, pool: WorkerPool, lease: int, num_tokens: int) -> list[int]:
-        pages = pool.ledger.reserve(lease, self.config.pages_for(num_tokens))
+    def _grant(self, pool: WorkerPool, lease: int, num_pages: int) -> list[int]:
+        pages = pool.ledger.reserve(lease, num_pages)
         if pages is None:  # _can_reserve said yes a moment ago, synchronously
             raise RuntimeError("ledger refused a reservation it had just allowed")
         pool.grants.append(PageGrant(id_hex(lease), pages))
         return pages
+
+    def _pages_returned(self) -> None:
+        """A quarantine ended: admit what now fits."""
+        self._reserve_queued()
+        self._wake()
 
     # ---- abort and release ----
 
@@ -173,8 +229,9 @@ class Scheduler:
         self._wake()
 
     def _end(self, req: Request, error: RequestError | None, aborted: bool = False, reason: str = "",
-             tail: str = "", tail_ids: list[int] | None = None) -> None:
-        """Terminal transition plus release of every page the request holds."""
+             tail: str = "", tail_ids: list[int] | None = None, admit: bool = True) -> None:
+        """Terminal transition plus release of every page the request holds; then, unless `admit`
+        is False (the caller is planning pages and admits afterwards), admit what now fits."""
         ended = req.fail(error, aborted=aborted) if error is not None else req.finish(reason, tail, tail_ids)
         if ended:
             self.metrics.finished(req)
@@ -185,7 +242,8 @@ class Scheduler:
         if self.decode is not self.prefill:
             self.decode.release(req.decode_lease)
         req.prefill_lease = req.decode_lease = 0
-        self._reserve_queued()
+        if admit:
+            self._reserve_queued()
         self._wake()
 
     def _drop_aborted(self, group: list[Request]) -> None:
@@ -216,7 +274,7 @@ class Scheduler:
 
     def _accept_decoded(self, decodes: list[Request], tokens: list[int | None]) -> None:
         for req, token in zip(decodes, tokens):
-            if not req.state.terminal and token is not None:
+            if req.state is State.DECODING and token is not None:
                 self._accept_token(req, token)
 
     def _settle(self, role: str, reqs: list[Request], seqs: list[SeqStep], reply: WorkerReply) -> StepDone | None:
@@ -292,7 +350,7 @@ class Scheduler:
         in, taken out of the prefill set, each with the first token it sampled."""
         done = []
         for (req, seq), token in zip(chunks, tokens):
-            if req.state.terminal:
+            if req.state.terminal or seq.lease != id_hex(req.prefill_lease):  # ended, or a later attempt
                 continue
             req.prefilled += len(seq.token_ids)
             if token is not None:
@@ -334,8 +392,9 @@ class Scheduler:
             self.expire_queued(time.monotonic())
 
     def expire_queued(self, now: float) -> None:
-        """End (503) every queued request admitted more than queue_timeout_s before `now`."""
-        for req in [r for r in self.queue if now - r.created_s > self.config.queue_timeout_s]:
+        """End (503) every request that joined the queue (admitted, or preempted) more than
+        queue_timeout_s before `now`."""
+        for req in [r for r in self.queue if now - r.queued_s > self.config.queue_timeout_s]:
             self.queue.remove(req)
             self.metrics.rejected("queue_timeout")
             self._end(req, RequestError(503, "overloaded", f"waited {self.config.queue_timeout_s:g} s for KV pages; "
@@ -345,7 +404,8 @@ class Scheduler:
         while True:
             self._drop_aborted(self.prefilling)
             self._drop_aborted(self.decoding)
-            decodes = list(self.decoding)
+            self._make_room_for_priority()
+            decodes = self._grow(list(self.decoding))
             seqs = decode_steps(decodes)
             chunks = prefill_chunks(self.prefilling, self.config.chunk_tokens - len(seqs))
             if not seqs and not chunks:
@@ -402,16 +462,25 @@ class Scheduler:
         # grant, or send one if it is still pending.
         if not await self.decode.tags_applied(id_hex(req.decode_lease)):
             self._observe(self.decode, await self._send(self.decode, []))
-        result = await self.link.move(len(req.prompt), req.prefill_pages, req.decode_pages, req.decode_lease,
+        result = await self.link.move(req.prefill_target, req.prefill_pages, req.decode_pages, req.decode_lease,
                                       timeout_s=self.config.transfer_timeout_s)
         self.transferring.discard(req)
         self.metrics.transfer(result.ok, result.nbytes, time.monotonic() - req.prefill_done_s)
-        # push() has returned: the source pages are quiet whatever the outcome.
-        self.prefill.release(req.prefill_lease)
+        # push() has returned; unless its cancellation went unacknowledged, the source pages are quiet.
+        held: list[tuple[WorkerPool, int]] = []
+        if result.source_quiet:
+            self.prefill.release(req.prefill_lease)
+        else:  # a posted one-sided write may still read them
+            self.prefill.quarantine(req.prefill_lease)
+            held.append((self.prefill, req.prefill_lease))
         req.prefill_lease = 0
         if not result.quiet:  # a write may still land: the destination pages stay out of the free list
             self.decode.quarantine(req.decode_lease)
+            held.append((self.decode, req.decode_lease))
             req.decode_lease = 0
+        if held and result.until_quiet is not None and self._task_group is not None:
+            self._task_group.start_soon(self._end_quarantine_when_quiet, result.until_quiet, held,
+                                        name=f"quarantine-{req.request_id[:8]}")
         if req.abort_requested:
             self._end(req, req.abort_error or RequestError(499, "client_closed", "the client closed the request"),
                       aborted=req.abort_error is None)
@@ -420,19 +489,31 @@ class Scheduler:
             log.warning("request %s: KV transfer failed (%s)", req.request_id, result.reason)
             self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"))
             return
-        self.decode.landed.append(Landing(id_hex(req.decode_lease), req.decode_pages, len(req.prompt)))
+        self.decode.landed.append(Landing(id_hex(req.decode_lease), req.decode_pages, req.prefill_target))
         req.advance(State.DECODING)
-        req.decoded_context = len(req.prompt)
+        req.decoded_context = req.prefill_target
         self.decoding.append(req)
+        self._reserve_queued()  # its prefill pages came back: a queued request may fit now
         token, req.pending_token = req.pending_token, None
         if token is not None:
             self._accept_token(req, token)
         self._wake()
 
+    async def _end_quarantine_when_quiet(self, until_quiet: Callable[[], Awaitable[bool]],
+                                         held: list[tuple[WorkerPool, int]]) -> None:
+        """Release a timed-out transfer's quarantined leases once its transport learns that every
+        write it posted is terminal; never before, and never if it cannot learn it."""
+        if await until_quiet():
+            for pool, lease in held:
+                pool.confirm_quiet(lease)
+            self._reserve_queued()
+            self._wake()
+
     async def _decode_loop(self) -> None:
         while True:
             self._drop_aborted(self.decoding)
-            decodes = list(self.decoding)
+            self._make_room_for_priority()
+            decodes = self._grow(list(self.decoding))
             if not decodes:
                 await self._wait_for_decode_work()
                 continue

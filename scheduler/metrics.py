@@ -41,9 +41,17 @@ class SchedulerMetrics:
                                        ["role"], registry=r)
         self.rejections = Counter("kvfence_admission_rejections", "Requests refused at admission",
                                   ["reason"], registry=r)
+        self.preemptions = Counter("kvfence_preemptions", "Running requests sent back to the queue to be "
+                                   "recomputed because the decode pool ran out", registry=r)
+        self.quarantine_age = Gauge("kvfence_kv_quarantine_age_seconds",
+                                    "How long the oldest quarantine of a pool has lasted (0: none)", ["role"],
+                                    registry=r)
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    def preempted(self) -> None:
+        self.preemptions.inc()
 
     def integrity_violation(self, role: str, check: str = "owner_tag") -> None:
         self.integrity_violations.labels(role, check).inc()
@@ -77,11 +85,12 @@ class SchedulerMetrics:
             self.transfer_bytes.inc(nbytes)
             self.handoff.observe(handoff_s)
 
-    def pool(self, role: str, total: int, used: int, quarantined: int = 0) -> None:
+    def pool(self, role: str, total: int, used: int, quarantined: int = 0, quarantine_age_s: float = 0.0) -> None:
         self.pages.labels(role, "total").set(total)
         self.pages.labels(role, "in_use").set(used)
         self.pages.labels(role, "free").set(total - used - quarantined)
         self.pages.labels(role, "quarantined").set(quarantined)
+        self.quarantine_age.labels(role).set(quarantine_age_s)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -5,6 +5,10 @@ return value (`None`), not an exception; a broken invariant is an exception with
 Invariant: every page is in exactly one place: the free queue, owned by one live lease, or
 quarantined under one lease (a transfer may still write it; it returns to the free queue only when
 that is confirmed, and never on a timeout).
+
+A lease may grow: `reserve` again appends pages to its table (a decoding sequence gets the page
+its next token lands in when it needs it). The ledger keeps no clock: the caller passes the time
+a quarantine began, and `quarantined_since` reports the oldest.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class PageLedger:
         self._free: deque[int] = deque(range(num_pages))
         self._owned: dict[int, list[int]] = {}  # lease -> its pages, in page-table order
         self._quarantined: dict[int, list[int]] = {}  # lease -> pages a write may still reach
+        self._quarantined_s: dict[int, float] = {}  # lease -> when its quarantine began (caller's clock)
 
     @property
     def num_free(self) -> int:
@@ -37,6 +42,17 @@ class PageLedger:
     @property
     def num_quarantined(self) -> int:
         return sum(len(p) for p in self._quarantined.values())
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Pages that are free or can still become free: all but the quarantined ones, which may
+        never come back. A request needing more than this can never fit."""
+        return self.num_pages - self.num_quarantined
+
+    @property
+    def quarantined_since(self) -> float | None:
+        """When the oldest quarantine still in force began (as passed to `quarantine`); None if none."""
+        return min(self._quarantined_s.values(), default=None)
 
     def can_reserve(self, num_pages: int) -> bool:
         return num_pages <= len(self._free)
@@ -71,19 +87,30 @@ class PageLedger:
         self._free.extend(pages)
         return pages
 
-    def quarantine(self, lease: int) -> list[int]:
-        """Take every page of `lease` out of use without freeing it (a write may still land)."""
+    def quarantine(self, lease: int, now_s: float = 0.0) -> list[int]:
+        """Take every page of `lease` out of use without freeing it (a write may still land);
+        `now_s`: when, on the caller's clock (reported by `quarantined_since`)."""
         pages = self._owned.pop(lease, [])
         if pages:
             self._quarantined[lease] = pages
+            self._quarantined_s[lease] = now_s
         return pages
 
     def is_quarantined(self, lease: int) -> bool:
         return lease in self._quarantined
 
+    def quarantined_pages(self, lease: int) -> list[int]:
+        """The pages `lease` holds in quarantine (empty if none)."""
+        return list(self._quarantined.get(lease, ()))
+
+    def quarantined_leases(self) -> list[int]:
+        """The leases whose pages are quarantined, oldest quarantine first."""
+        return sorted(self._quarantined, key=self._quarantined_s.__getitem__)
+
     def confirm_quiet(self, lease: int) -> list[int]:
         """The transport confirmed no write can reach the quarantined pages of `lease`: free them."""
         pages = self._quarantined.pop(lease, [])
+        self._quarantined_s.pop(lease, None)
         self._free.extend(pages)
         return pages
 

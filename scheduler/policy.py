@@ -16,20 +16,39 @@ def decode_steps(requests: list[Request]) -> list[SeqStep]:
 
 
 def prefill_chunks(requests: list[Request], budget_tokens: int) -> list[tuple[Request, SeqStep]]:
-    """Chunks of prompt for requests still prefilling, first come first served, within the budget.
+    """Chunks of the tokens each request still has to prefill, first come first served, within the budget.
 
-    The chunk that completes a prompt asks for a sample (the request's first output token)."""
+    A request prefills its prompt, or after a preemption its prompt plus what it generated. The
+    chunk that completes it asks for a sample: the request's next output token."""
     out: list[tuple[Request, SeqStep]] = []
     for req in requests:
         if budget_tokens <= 0:
             break
-        remaining = len(req.prompt) - req.prefilled
+        remaining = req.prefill_target - req.prefilled
         if remaining <= 0:
             continue
         n = min(remaining, budget_tokens)
-        last = req.prefilled + n == len(req.prompt)
-        out.append((req, SeqStep(id_hex(req.prefill_lease), req.prompt[req.prefilled: req.prefilled + n],
+        last = req.prefilled + n == req.prefill_target
+        out.append((req, SeqStep(id_hex(req.prefill_lease), req.tokens[req.prefilled: req.prefilled + n],
                                  req.prefilled, req.prefill_pages,
-                                 SamplingSpec.of(req.params) if last else None, 0)))
+                                 SamplingSpec.of(req.params) if last else None, req.num_generated)))
         budget_tokens -= n
     return out
+
+
+def pages_short(req: Request, page_size_tokens: int) -> int:
+    """Pages a decoding request still needs before its next step: that step writes the K/V of
+    its last token at position len(tokens) - 1."""
+    return -(-len(req.tokens) // page_size_tokens) - len(req.decode_pages)
+
+
+def newest(candidates: list[Request], than: Request | None = None) -> Request | None:
+    """The most recently admitted of `candidates` (never a priority request), and only if it came
+    after `than`: a request is preempted only for an older one, so the oldest always progresses."""
+    pick = None
+    for req in candidates:
+        if req.priority or (than is not None and req.arrival <= than.arrival):
+            continue
+        if pick is None or req.arrival > pick.arrival:
+            pick = req
+    return pick

@@ -2,7 +2,12 @@
 
 WAITING -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED   (disaggregated)
 WAITING -> PREFILLING -> DECODING -> FINISHED                   (colocated)
+PREFILLING or DECODING -> WAITING                                (preempted: the pool ran out)
 any non-terminal state -> ABORTED (client gone) or FAILED (server-side error)
+
+A preempted request keeps its tokens and its text state (detokenizer, stop matcher): its next
+attempt prefills prompt + every token generated so far, and the token that prefill samples is the
+next new one, so the stream goes on where it stopped.
 
 Terminal states are monotone: once ABORTED or FAILED, never FINISHED; a late "finished" after an
 abort is ignored, and so is a second terminal transition.
@@ -36,9 +41,9 @@ class State(enum.Enum):
 
 _ALLOWED = {
     State.WAITING: {State.PREFILLING},
-    State.PREFILLING: {State.TRANSFERRING, State.DECODING},
+    State.PREFILLING: {State.TRANSFERRING, State.DECODING, State.WAITING},
     State.TRANSFERRING: {State.DECODING},
-    State.DECODING: {State.FINISHED},
+    State.DECODING: {State.FINISHED, State.WAITING},
 }
 
 
@@ -61,13 +66,18 @@ class Request:
     prefill_pages: list[int] = dataclasses.field(default_factory=list)
     decode_pages: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
-    prefilled: int = 0  # prompt tokens whose K/V are in the prefill (or colocated) pool
+    prefill_target: int = 0  # tokens this attempt prefills: the prompt, or after a preemption tokens so far
+    prefilled: int = 0  # tokens of prefill_target whose K/V are in the prefill (or colocated) pool
     decoded_context: int = 0  # tokens whose K/V are in the decode pool
     pending_token: int | None = None  # sampled by prefill, emitted once the KV has landed
     prefill_done_s: float = 0.0  # monotonic time the prefill sampled the first token (disaggregated)
     abort_requested: bool = False
     abort_error: RequestError | None = None  # why the server aborted it (None: the client went away)
+    arrival: int = 0  # admission order: the newest running request is the one preempted
+    priority: bool = False  # a server-internal request (the readiness canary): ahead of the queue
+    preemptions: int = 0
     created_s: float = dataclasses.field(default_factory=time.monotonic)
+    queued_s: float = dataclasses.field(default_factory=time.monotonic)  # when it last joined the queue
     first_token_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
@@ -81,6 +91,15 @@ class Request:
         if new not in _ALLOWED.get(self.state, set()):
             raise IllegalTransition(f"request {self.request_id}: {self.state.value} -> {new.value}")
         self.state = new
+
+    def requeue(self) -> None:
+        """Preempted (its pages are being released): back to WAITING, to prefill `tokens` again."""
+        self.advance(State.WAITING)
+        self.preemptions += 1
+        self.prefill_target = len(self.tokens)
+        self.prefilled = self.decoded_context = 0
+        self.prefill_pages, self.decode_pages = [], []
+        self.queued_s = time.monotonic()
 
     def finish(self, reason: str, tail_text: str = "", tail_ids: list[int] | None = None) -> bool:
         """Successful end ("stop" / "length"). False (and nothing sent) if already terminal."""

@@ -9,9 +9,17 @@ makes sure that is within about a second even when nothing runs).
 The worker runs its messages in the order they were built (one compute thread, first in first
 out), so a reply to message n means every message up to n has been applied: `tags_applied` waits
 for the message that carried a lease's grant instead of sending another one behind the queue.
+
+Pages come back through one path: `release` (and `confirm_quiet`, which ends a quarantine) hands
+them to the ledger's free queue at once and to the worker, which untags and scrubs them at the
+start of its next message, before any grant in it.
 """
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
 
 import anyio
 
@@ -19,11 +27,17 @@ from kvfence.engine.worker import WorkerChannel
 from kvfence.scheduler.messages import Landing, PageGrant, RunStep, SeqStep, WorkerReply, id_from_hex, id_hex
 from kvfence.scheduler.page_ledger import PageLedger
 
+log = logging.getLogger(__name__)
+
 
 class WorkerPool:
-    def __init__(self, channel: WorkerChannel, num_pages: int) -> None:
+    def __init__(self, channel: WorkerChannel, num_pages: int,
+                 on_pages_returned: Callable[[], None] | None = None) -> None:
+        """`on_pages_returned`: called after `confirm_quiet` gave pages back (the scheduler admits
+        what now fits)."""
         self.channel = channel
         self.ledger = PageLedger(num_pages)
+        self.on_pages_returned = on_pages_returned
         self.grants: list[PageGrant] = []
         self.released: list[int] = []
         self.landed: list[Landing] = []  # verified transfers, for the worker's KV sanitizer
@@ -42,10 +56,34 @@ class WorkerPool:
             self.released.extend(self.ledger.release(lease))
             self._grant_message.pop(id_hex(lease), None)
 
-    def quarantine(self, lease: int) -> None:
-        """Keep the lease's pages out of the free list (a write may still land in them)."""
-        self.ledger.quarantine(lease)
+    def quarantine(self, lease: int, now_s: float | None = None) -> None:
+        """Keep the lease's pages out of the free list (a write may still land in them) until
+        `confirm_quiet`; `now_s`: when (monotonic; default now)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        pages = self.ledger.quarantine(lease, now_s)
         self._grant_message.pop(id_hex(lease), None)
+        if pages:
+            self._log_quarantine(f"{len(pages)} pages of lease {id_hex(lease)} quarantined", now_s)
+
+    def confirm_quiet(self, lease: int) -> list[int]:
+        """End the quarantine of `lease`: its transport learned that no write can still reach its
+        pages (a late notification, a terminal WRITE status, an acknowledged abort). The pages go
+        back through the normal release path: free in the ledger now, untagged and scrubbed by the
+        worker in its next message. Returns them ([] if `lease` was not quarantined)."""
+        pages = self.ledger.confirm_quiet(lease)
+        if pages:
+            self.released.extend(pages)
+            self._log_quarantine(f"quarantine of lease {id_hex(lease)} ended, {len(pages)} pages returned",
+                                 time.monotonic())
+            if self.on_pages_returned is not None:
+                self.on_pages_returned()
+        return pages
+
+    def _log_quarantine(self, what: str, now_s: float) -> None:
+        since = self.ledger.quarantined_since
+        held = f"oldest for {now_s - since:.1f} s" if since is not None else "none left"
+        log.warning("%s pool: %s; %d of %d pages quarantined (%s)", self.role, what, self.ledger.num_quarantined,
+                    self.ledger.num_pages, held)
 
     def message(self, step_id: int, seqs: list[SeqStep]) -> RunStep:
         # A grant or landing of a lease that ended before it was sent names pages that are no

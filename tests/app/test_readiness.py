@@ -9,6 +9,7 @@ from serving_harness import start_serving
 
 from kvfence.app.readiness import ReadinessCanary
 from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 
 
@@ -46,4 +47,38 @@ async def test_wrong_answer_fails_the_canary(tiny: Checkpoint) -> None:
         canary.expected = [t + 1 for t in canary.expected or []]  # as if the path returned stale KV
         assert not await canary.check_once()
         assert "!= known" in canary.last_failure
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["colocated", "tcp"])
+async def test_canary_passes_under_a_saturating_load(tiny: Checkpoint, mode: str) -> None:
+    """Busy is not broken (issue 11 item 7): every running slot is taken by long generations, more
+    requests wait behind them and the decode pool is full; the canary still runs the real path
+    and passes (the scheduler's priority path: ahead of the queue, its pages taken from the newest
+    running request), each time while the queue is still waiting, so /ready stays 200."""
+    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=128, max_running=3, max_queue=16,
+                             disaggregated=mode != "colocated", transfer_timeout_s=5)
+    async with anyio.create_task_group() as tg:
+        serving = await start_serving(tg, tiny, mode, config, num_pages=48)
+        s = serving.scheduler
+        canary = ReadinessCanary(s, tiny.tokenizer, serving.workers[0].runner.model, interval_s=3600, timeout_s=10)
+        assert await canary.check_once()
+        params = SamplingParams(temperature=0, max_tokens=110, ignore_eos=True)
+        handles = [s.submit([5 + i, 6, 7, 8, 9, 10, 11, 12], params) for i in range(9)]
+        with anyio.fail_after(10):
+            while s.decode.ledger.num_free > 2:  # the running requests grew to fill the pool
+                await anyio.sleep(0.002)
+        for _ in range(3):
+            assert s.queue and s.decoding  # saturated: requests are waiting for slots or pages
+            assert await canary.check_once(), canary.last_failure
+            assert s.queue  # it did not wait its turn behind them
+        assert canary.passed and "kvfence_ready 1.0" in s.metrics.render()[0].decode()
+        for h in handles:
+            h.abort()
+        with anyio.fail_after(10):
+            while s.in_flight():
+                await anyio.sleep(0.01)
+        assert all(n == 0 for n in s.pages_in_use().values())
+        await serving.aclose()
         tg.cancel_scope.cancel()

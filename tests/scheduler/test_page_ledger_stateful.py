@@ -1,6 +1,8 @@
-"""A hypothesis state machine over the page ledger's lifecycle: reserve, grow, release, time out
-into quarantine, confirm quiet. After every step: every page is in exactly one place, quarantined
-pages are never handed out, and the accounting matches a plain model of it."""
+"""A hypothesis state machine over the page ledger's lifecycle: reserve, grow (a decoding lease
+gets one page at a time as its sequence grows), release, time out into quarantine (at a time the
+caller passes), confirm quiet. After every step: every page is in exactly one place, quarantined
+pages are never handed out, and the accounting (including what can still become free and since
+when pages are quarantined) matches a plain model of it."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class LedgerLifecycle(RuleBasedStateMachine):
         self.ledger = PageLedger(NUM_PAGES)
         self.model_live: dict[int, list[int]] = {}
         self.model_held: dict[int, list[int]] = {}
+        self.model_since: dict[int, float] = {}  # lease -> when its quarantine began
+        self.clock_s = 0.0
 
     @rule(target=live, n=st.integers(0, 10))
     def reserve(self, n: int) -> int:
@@ -41,28 +45,42 @@ class LedgerLifecycle(RuleBasedStateMachine):
     def grow(self, lease: int, n: int) -> None:
         if lease not in self.model_live:
             return
+        free_before = self.ledger.num_free
         pages = self.ledger.reserve(lease, n)
-        if pages is not None:
-            self.model_live[lease] += pages
+        if pages is None:
+            assert n > free_before and self.ledger.pages(lease) == self.model_live[lease]  # unchanged
+            return
+        assert len(pages) == n and not set(pages) & {p for ps in self.model_held.values() for p in ps}
+        self.model_live[lease] += pages
+        assert self.ledger.pages(lease)[-n:] == pages  # appended: the page table keeps its order
+
+    @rule(lease=live)
+    def grow_one_page(self, lease: int) -> None:
+        """A decode step's token lands in a page the lease does not own yet: one page more, or
+        None (then the scheduler preempts or waits) with nothing changed."""
+        self.grow(lease, 1)
 
     @rule(lease=consumes(live))
     def release(self, lease: int) -> None:
         freed = self.ledger.release(lease)
         assert freed == self.model_live.pop(lease, [])
 
-    @rule(target=held, lease=consumes(live))
-    def time_out(self, lease: int) -> int:
+    @rule(target=held, lease=consumes(live), dt=st.floats(0, 5))
+    def time_out(self, lease: int, dt: float) -> int:
         """A transfer into these pages timed out: they go to quarantine, never to free."""
-        pages = self.ledger.quarantine(lease)
+        self.clock_s += dt
+        pages = self.ledger.quarantine(lease, self.clock_s)
         assert pages == self.model_live.pop(lease, [])
         if pages:
             self.model_held[lease] = pages
+            self.model_since[lease] = self.clock_s
         return lease
 
     @rule(lease=consumes(held))
     def confirm_quiet(self, lease: int) -> None:
         """The cancellation was acknowledged (or the late write landed and finished)."""
         assert self.ledger.confirm_quiet(lease) == self.model_held.pop(lease, [])
+        self.model_since.pop(lease, None)
 
     @rule(lease=held)
     def release_of_quarantined_is_refused(self, lease: int) -> None:
@@ -75,6 +93,11 @@ class LedgerLifecycle(RuleBasedStateMachine):
         held = sum(len(p) for p in self.model_held.values())
         assert self.ledger.num_quarantined == held
         assert self.ledger.num_free == NUM_PAGES - live - held
+        assert self.ledger.num_reclaimable == NUM_PAGES - held  # live pages come back, quarantined may not
+        assert self.ledger.quarantined_since == min(self.model_since.values(), default=None)
+        assert set(self.ledger.quarantined_leases()) == set(self.model_held)
+        for lease, pages in self.model_held.items():
+            assert self.ledger.quarantined_pages(lease) == pages
         for lease, pages in self.model_live.items():
             assert self.ledger.pages(lease) == pages
 

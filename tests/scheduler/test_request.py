@@ -61,3 +61,19 @@ def test_finish_then_late_abort_stays_finished() -> None:
     assert req.state is State.FINISHED
     (delta,) = drain(req)
     assert (delta.text, delta.token_ids, delta.finish_reason, delta.error) == ("tail", [7], "stop", None)
+
+
+def test_preempted_request_goes_back_to_waiting_to_prefill_what_it_has() -> None:
+    req = make_request()
+    req.advance(State.PREFILLING)
+    req.advance(State.DECODING)
+    req.tokens += [7, 8]  # generated
+    req.decode_pages, req.prefilled = [3, 4], 2
+    req.requeue()
+    assert req.state is State.WAITING and req.preemptions == 1
+    assert req.prefill_target == 4 and req.prefilled == 0 and req.decode_pages == []
+    assert req.num_generated == 2  # what was sent stays sent
+    req.advance(State.PREFILLING)
+    req.advance(State.TRANSFERRING)
+    with pytest.raises(IllegalTransition):
+        req.requeue()  # a transfer's pages are never taken back

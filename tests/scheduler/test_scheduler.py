@@ -114,10 +114,10 @@ async def test_queue_full_is_503_with_retry_after(harness: Harness) -> None:
     big = SamplingParams(temperature=0, max_tokens=CONTEXT - 8, ignore_eos=True)
     handles = []
     with pytest.raises(AdmissionRejected) as info:
-        for _ in range(64):  # 64 pages hold 2 of these; the queue holds 4 more
+        for _ in range(64):  # decode pages grow with the sequence: 8 run (max_running), 4 more queue
             handles.append(s.submit([5, 6, 7, 8], big))
     assert info.value.status == 503 and info.value.retry_after_s
-    assert len(handles) == 6
+    assert len(handles) == 12
     for h in handles:
         h.abort()
     for h in handles:
