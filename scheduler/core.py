@@ -505,9 +505,7 @@ class Scheduler(Preemption):
         write it posted is terminal; never before, and never if it cannot learn it."""
         if await until_quiet():
             for pool, lease in held:
-                pool.confirm_quiet(lease)
-            self._reserve_queued()
-            self._wake()
+                pool.confirm_quiet(lease)  # which admits what now fits
 
     async def _decode_loop(self) -> None:
         while True:
