@@ -46,6 +46,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve the largest context every KV pool holds instead of refusing an undersized pool")
     p.add_argument("--max-running", type=int, default=None, help="requests holding pages at once")
     p.add_argument("--max-queue", type=int, default=None, help="requests waiting for pages before 503")
+    p.add_argument("--max-preemptions", type=int, default=None,
+                   help="times a running request may be sent back to the queue when the decode pool runs out "
+                        "before it ends with 503 (default 16)")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="prefill tokens per step (default: 128 when prefill runs on a CPU, 512 on a GPU)")
     p.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",

@@ -28,6 +28,7 @@ class ServeConfig:
     clamp_context: bool = False  # True: shrink the context to what every KV pool holds, not refuse
     max_running: int = 64
     max_queue: int = 256
+    max_preemptions: int = 16  # a request preempted more often than this ends with 503
     chunk_tokens: int | None = None  # default: chunk_tokens_for(the prefill device)
     shutdown_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
@@ -64,6 +65,8 @@ class ServeConfig:
         if self.queue_timeout_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError(f"--queue-timeout and --transfer-timeout must be > 0 s, got "
                              f"{self.queue_timeout_s} and {self.transfer_timeout_s}")
+        if self.max_preemptions < 0:
+            raise ValueError(f"--max-preemptions must be >= 0, got {self.max_preemptions}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"--stall-timeout must be > 0 s, got {self.stall_timeout_s}")
         if self.canary_interval_s <= 0:

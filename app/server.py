@@ -110,6 +110,7 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
         scheduler = Scheduler(
             SchedulerConfig(page_size_tokens=config.page_size_tokens, max_context_tokens=context,
                             max_running=config.max_running, max_queue=config.max_queue,
+                            max_preemptions=config.max_preemptions,
                             chunk_tokens=chunk_tokens, disaggregated=workers.decode is not None,
                             transfer_timeout_s=config.transfer_timeout_s, queue_timeout_s=config.queue_timeout_s),
             checkpoint.tokenizer, WorkerChannel(workers.prefill, workers.compute_of(workers.prefill)),
