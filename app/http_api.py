@@ -7,13 +7,21 @@ Contracts:
 - A request that fails after admission never reports success: non-stream answers with the error's
   status, a stream sends one `data: {"error": ...}` event and ends without a finish_reason or [DONE].
 - When the client goes away before the request's terminal delta (stream or not), the request's
-  handle is aborted; so is it when the response is cancelled for any other reason.
+  handle is aborted; so is it when the response is cancelled for any other reason, and when the
+  client has read nothing for `stall_timeout_s` seconds (`app/stall.py`).
+- Input limits: a body over `max_body_bytes` gets 413 before it is read past the limit
+  (`app/request_body.py`); a body over `INLINE_BODY_BYTES` is decoded, rendered and tokenized in
+  a worker thread, never on the event loop; a text prompt so long that it cannot fit the context
+  whatever it tokenizes to is refused without being tokenized (`app/prompt_tokens.py`).
+- No exception text of a worker or a transport reaches a client (`http_errors.for_client`); the
+  log has it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,25 +30,38 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvfence.app import openai_schemas as s
 from kvfence.app.engine_client import EngineClient
-from kvfence.app.http_errors import (context_too_long, decode_body, error_envelope, error_response,
+from kvfence.app.http_errors import (context_too_long, decode_body, error_envelope, error_response, for_client,
                                      from_sampling_error, http_exception_handler, internal_error,
                                      model_not_found, server_error_handler)
+from kvfence.app.prompt_tokens import PromptEncoder
+from kvfence.app.request_body import BodyTooLarge, RefusedBody, read_body
+from kvfence.app.stall import SendWatch
 from kvfence.engine.chat_template import ChatTemplateError, render_chat
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.errors import RequestError
 from kvfence.scheduler.handle import RequestHandle
 
+log = logging.getLogger(__name__)
+
 _SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no"))
 _DONE = b"data: [DONE]\n\n"
 _NOT_READY_RETRY_AFTER_S = 1
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+DEFAULT_STALL_TIMEOUT_S = 30.0
+# Bodies up to this size are decoded, rendered and tokenized on the event loop (well under a
+# millisecond); longer ones in a worker thread, at most LONG_INPUT_THREADS at once (the others
+# wait their turn), so long prompts cannot crowd the compute threads off the cores. A text
+# prompt can only be as long as its body.
+INLINE_BODY_BYTES = 64 << 10
+LONG_INPUT_THREADS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,29 +109,45 @@ class _Shape:
 
 class _GenerationResponse(Response):
     """ASGI response for one admitted request (stream or not). A task watches `receive` for
-    http.disconnect and cancels the response; the handle is aborted in `finally` unless its
-    terminal delta was seen (abort is idempotent)."""
+    http.disconnect and cancels the response, another (`SendWatch`) cancels it once a send has
+    been pending for `stall_timeout_s`; the handle is aborted in `finally` unless its terminal
+    delta was seen (abort is idempotent)."""
 
-    def __init__(self, handle: RequestHandle, prep: _Prepared, encoder: msgspec.json.Encoder) -> None:
+    def __init__(self, handle: RequestHandle, prep: _Prepared, encoder: msgspec.json.Encoder,
+                 stall_timeout_s: float) -> None:
         self.handle, self.prep, self.encoder = handle, prep, encoder
+        self.stall_timeout_s = stall_timeout_s
         self.shape = _Shape(prep, handle.request_id)
         self.status_code, self.background, self.raw_headers = 200, None, list(_SSE_HEADERS if prep.stream else ())
         self.finished = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = SendWatch(send, self.stall_timeout_s)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+                tg.start_soon(watch.watch, tg.cancel_scope)
                 if self.prep.stream:
-                    await self._stream(send)
+                    await self._stream(watch.send)
                 else:
-                    await self._whole(scope, receive, send)
+                    await self._whole(scope, receive, watch.send)
                 tg.cancel_scope.cancel()
         except OSError:
             pass  # ASGI >= 2.4 servers raise from send() once the client is gone
         finally:
+            if watch.stalled:
+                log.warning("request %s: the client read nothing for %g s; %s", self.handle.request_id,
+                            self.stall_timeout_s, "the response was dropped" if self.finished else "aborting it")
             if not self.finished:
                 self.handle.abort()
+
+    def _failed(self, error: RequestError) -> RequestError:
+        """The terminal error; logged with its detail when the client gets other wording."""
+        self.finished = True
+        if for_client(error) is not error:
+            log.warning("request %s failed (%d %s): %s", self.handle.request_id, error.status, error.code,
+                        error.message)
+        return error
 
     def _usage(self, completion_tokens: int) -> s.Usage:
         prompt = len(self.prep.prompt_ids)
@@ -124,8 +161,7 @@ class _GenerationResponse(Response):
         async with contextlib.aclosing(self.handle.deltas()) as deltas:
             async for delta in deltas:
                 if delta.error is not None:
-                    self.finished = True
-                    response = error_response(delta.error, self.encoder)
+                    response = error_response(self._failed(delta.error), self.encoder)
                     break
                 texts.append(delta.text)
                 completion_tokens += len(delta.token_ids)
@@ -149,8 +185,7 @@ class _GenerationResponse(Response):
         async with contextlib.aclosing(self.handle.deltas()) as deltas:
             async for delta in deltas:
                 if delta.error is not None:
-                    self.finished = True
-                    failure = delta.error
+                    failure = self._failed(delta.error)
                     break
                 completion_tokens += len(delta.token_ids)
                 if delta.text or (delta.finish_reason is not None and not self.shape.chat):
@@ -176,9 +211,16 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
 class _Api:
     """The route handlers of one app; holds the engine, one JSON encoder and the decoders."""
 
-    def __init__(self, engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None) -> None:
+    def __init__(self, engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None,
+                 max_body_bytes: int, stall_timeout_s: float) -> None:
+        if max_body_bytes <= 0 or stall_timeout_s <= 0:
+            raise ValueError(f"max_body_bytes and stall_timeout_s must be > 0, got {max_body_bytes} and "
+                             f"{stall_timeout_s}")
         self.engine = engine
         self.metrics_text = metrics_text
+        self.max_body_bytes, self.stall_timeout_s = max_body_bytes, stall_timeout_s
+        self.prompts = PromptEncoder(engine.tokenizer)
+        self.long_inputs = anyio.CapacityLimiter(LONG_INPUT_THREADS)
         self.encoder = msgspec.json.Encoder()
         self.chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
         self.completion_decoder = msgspec.json.Decoder(s.CompletionRequest)
@@ -196,15 +238,25 @@ class _Api:
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
-            body = await request.body()
-            if chat:
-                prep = self._prepare_chat(decode_body(self.chat_decoder, body))
-            else:
-                prep = self._prepare_completion(decode_body(self.completion_decoder, body))
+            body = await read_body(request, self.max_body_bytes)
+            if len(body) <= INLINE_BODY_BYTES:
+                prep = self._prepare(body, chat)
+            else:  # decoding, rendering and tokenizing a long input would stall every other stream
+                prep = await anyio.to_thread.run_sync(self._prepare, body, chat, limiter=self.long_inputs)
             handle = self.engine.submit(prep.prompt_ids, prep.sampling)
+        except RefusedBody as refused:
+            return BodyTooLarge(refused)
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody is left to read it
         except RequestError as err:
             return error_response(err, self.encoder)
-        return _GenerationResponse(handle, prep, self.encoder)
+        return _GenerationResponse(handle, prep, self.encoder, self.stall_timeout_s)
+
+    def _prepare(self, body: bytes, chat: bool) -> _Prepared:
+        """Everything between the body and `submit` (synchronous: runs on the loop or in a thread)."""
+        if chat:
+            return self._prepare_chat(decode_body(self.chat_decoder, body))
+        return self._prepare_completion(decode_body(self.completion_decoder, body))
 
     def _check(self, req: s.ChatCompletionRequest | s.CompletionRequest) -> None:
         s.check_common(req)
@@ -219,19 +271,17 @@ class _Api:
             text = render_chat(tok.chat_template, messages, bos_token=tok.special_token_text(tok.bos_token_id))
         except ChatTemplateError as e:
             raise s.invalid("messages", str(e), "invalid_messages") from e
-        return self._finish(req, tok.encode(text, add_bos=False), chat=True, where="messages")
+        ids = self.prompts.encode(text, add_bos=False, where="messages",
+                                  max_context_tokens=self.engine.max_context_tokens)
+        return self._finish(req, ids, chat=True, where="messages")
 
     def _prepare_completion(self, req: s.CompletionRequest) -> _Prepared:
         self._check(req)
         prompt = s.completion_prompt(req)
-        tok = self.engine.tokenizer
         if isinstance(prompt, str):
-            ids = tok.encode(prompt)
+            ids = self.prompts.encode(prompt, add_bos=None, where="prompt",
+                                      max_context_tokens=self.engine.max_context_tokens)
         else:
-            bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
-            if bad:
-                raise s.invalid("prompt", f"token ids must be in [0, {tok.vocab_size}) for this model, "
-                                          f"got {bad[:5]}")
             ids = prompt
         return self._finish(req, ids, chat=False, where="prompt")
 
@@ -245,6 +295,9 @@ class _Api:
                                     where=where)
         if too_long is not None:
             raise too_long
+        vocab_size = self.engine.tokenizer.vocab_size
+        _check_token_ids(where, ids, vocab_size)  # after the length check: a long list is refused unread
+        _check_token_ids("stop_token_ids", req.stop_token_ids or [], vocab_size)
         try:
             sampling = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -282,11 +335,20 @@ class _Api:
         return Response(body, headers={"content-type": content_type})
 
 
-def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None = None) -> Starlette:
+def _check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise s.invalid(param, f"token ids must be in [0, {vocab_size}) for this model, got {bad[:5]}")
+
+
+def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None = None, *,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+              ) -> Starlette:
     """The OpenAI-compatible app: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
     GET /health, GET /ready (503 + Retry-After while not ready), GET /metrics (`metrics_text()`
-    -> (body, content type); 404 when None)."""
-    api = _Api(engine, metrics_text)
+    -> (body, content type); 404 when None). `max_body_bytes`: longest request body (413 past it);
+    `stall_timeout_s`: how long a response may be unable to send before its request is aborted."""
+    api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),

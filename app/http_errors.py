@@ -28,6 +28,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_
 
 
 def error_envelope(err: RequestError) -> ErrorEnvelope:
+    """The OpenAI envelope of `err`, as clients may see it (`for_client`)."""
+    err = for_client(err)
     return ErrorEnvelope(error=ErrorBody(message=err.message, type=err.error_type, param=err.param,
                                          code=err.code))
 
@@ -110,6 +112,36 @@ def internal_error(message: str) -> RequestError:
     return RequestError(500, "internal_error", message)
 
 
+def body_too_large(max_bytes: int, declared_bytes: int | None) -> RequestError:
+    """413 for a body over `--max-body-bytes` (`declared_bytes`: its Content-Length, if it had one)."""
+    size = f"is {declared_bytes} bytes" if declared_bytes is not None else "is longer than that"
+    return RequestError(413, "request_too_large", f"The request body {size}; this server accepts at most "
+                        f"{max_bytes} bytes. Send a shorter prompt.")
+
+
+# 5xx codes whose messages the server words for clients itself (limits, retry hints, no exception
+# text). Every other 5xx message may carry a worker's or a transport's exception text: the client
+# gets the wording below (or the generic one) and the detail stays in the log.
+_CLIENT_WORDED_5XX = frozenset({"overloaded", "worker_restarted", "kv_integrity_error", "kv_pages_quarantined",
+                                "internal_error"})
+_USER_TERMS_5XX = {
+    "worker_error": "The model failed while computing this request; it was stopped and nothing more will be "
+                    "sent. Retry the request.",
+    "kv_transfer_failed": "Moving this request's KV cache between the prefill and decode workers failed; the "
+                          "request was stopped. Retry the request.",
+}
+_GENERIC_5XX = "The server failed while serving this request. Retry the request."
+
+
+def for_client(err: RequestError) -> RequestError:
+    """`err` as a client may see it: a 5xx whose message is not worded for clients gets its code's
+    user-terms message (status, code and retry hint unchanged); anything else is returned as is."""
+    if err.status < 500 or err.code in _CLIENT_WORDED_5XX:
+        return err
+    return RequestError(err.status, err.code, _USER_TERMS_5XX.get(err.code, _GENERIC_5XX), param=err.param,
+                        error_type=err.error_type, retry_after_s=err.retry_after_s)
+
+
 async def http_exception_handler(request: Request, exc: Exception) -> Response:
     """Starlette's 404 / 405 (unknown route, wrong method) as OpenAI error envelopes."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -119,5 +151,6 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
 
 
 async def server_error_handler(request: Request, exc: Exception) -> Response:
-    """An unexpected exception as a 500 envelope (starlette still re-raises it, so it is logged)."""
-    return error_response(internal_error(f"internal server error ({type(exc).__name__})"))
+    """An unexpected exception as a 500 envelope that names nothing of it (starlette still
+    re-raises it, so hypercorn logs it with its traceback)."""
+    return error_response(internal_error("The server failed while handling this request. Retry the request."))

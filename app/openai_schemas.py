@@ -1,10 +1,14 @@
 """Wire schemas of the OpenAI-compatible API (msgspec Structs) and the checks a body must pass.
 
-Requests: unknown fields are ignored (OpenAI clients send extras), except the transfer / routing
-fields in `FORBIDDEN_FIELDS`: nothing in a body may choose a peer, a KV page or a transport, so a
-body that carries any of them (at the top level or inside `extra_body`), whatever its value, is
-refused. `check_common` raises `RequestError` (400, `param` naming the field) for every value the
-server does not support; it never changes the request.
+Requests: the transfer / routing fields in `FORBIDDEN_FIELDS` are refused whatever their value:
+nothing in a body may choose a peer, a KV page or a transport, so a body that carries any of them
+(at the top level or inside `extra_body`) is refused. The OpenAI and vLLM fields kvfence does not
+implement (`UNSUPPORTED_FIELDS`: tools, response_format, logprobs, penalties, ...) are refused
+unless they hold a value that changes nothing (null, or their documented default, e.g. `n: 1`),
+never silently ignored. Other unknown fields are ignored: clients send extras that do not change
+the output (`metadata`, `service_tier`, ...). `check_common` raises `RequestError` (400, `param`
+naming the field) for every value the server does not support or that is out of its bounds; it
+never changes the request.
 
 Responses: `UNSET` fields are left out of the JSON (msgspec omits them).
 """
@@ -19,7 +23,35 @@ from kvfence.scheduler.errors import RequestError
 
 FORBIDDEN_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
                     "page_ids", "lease", "transfer_id")
-MAX_STOP_SEQUENCES = 4
+
+# Fields kvfence does not implement, each with the values that change nothing (null always counts
+# as absent). Any other value is refused with a 400 naming the field. A value matches only if it
+# has the same type (so completions' `logprobs: 0`, which asks for logprobs, is not `false`).
+UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
+    # OpenAI
+    "n": (1,), "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),  # no tools can be given, so either value changes nothing
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
+    # vLLM's extra parameters
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "length_penalty": (1, 1.0),
+    "use_beam_search": (False,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "logits_processors": (), "truncate_prompt_tokens": (), "return_tokens_as_token_ids": (False,),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "documents": (),
+}
+
+# Bounds (OpenAI takes at most 4 stop sequences; vLLM sets no limit: this is generous but bounded,
+# since every stop string is matched against the output after every token).
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TEMPERATURE = 2.0
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, as vLLM takes it
 # Chat roles the server renders; "developer" (OpenAI's newer name for system) is rendered as system.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 
@@ -71,6 +103,46 @@ class _RequestBase(Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     extra_body: dict[str, Any] | None = None
+    # UNSUPPORTED_FIELDS not typed above (any value other than their no-op ones is refused)
+    top_logprobs: Any = UNSET
+    echo: Any = UNSET
+    best_of: Any = UNSET
+    suffix: Any = UNSET
+    response_format: Any = UNSET
+    tools: Any = UNSET
+    tool_choice: Any = UNSET
+    functions: Any = UNSET
+    function_call: Any = UNSET
+    parallel_tool_calls: Any = UNSET
+    audio: Any = UNSET
+    modalities: Any = UNSET
+    prediction: Any = UNSET
+    reasoning_effort: Any = UNSET
+    web_search_options: Any = UNSET
+    repetition_penalty: Any = UNSET
+    min_p: Any = UNSET
+    min_tokens: Any = UNSET
+    length_penalty: Any = UNSET
+    use_beam_search: Any = UNSET
+    include_stop_str_in_output: Any = UNSET
+    skip_special_tokens: Any = UNSET
+    spaces_between_special_tokens: Any = UNSET
+    prompt_logprobs: Any = UNSET
+    allowed_token_ids: Any = UNSET
+    bad_words: Any = UNSET
+    guided_json: Any = UNSET
+    guided_regex: Any = UNSET
+    guided_choice: Any = UNSET
+    guided_grammar: Any = UNSET
+    structured_outputs: Any = UNSET
+    logits_processors: Any = UNSET
+    truncate_prompt_tokens: Any = UNSET
+    return_tokens_as_token_ids: Any = UNSET
+    add_generation_prompt: Any = UNSET
+    continue_final_message: Any = UNSET
+    chat_template: Any = UNSET
+    chat_template_kwargs: Any = UNSET
+    documents: Any = UNSET
     kv_transfer_params: Any = UNSET
     bootstrap_host: Any = UNSET
     bootstrap_port: Any = UNSET
@@ -84,66 +156,64 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
 
 
 class CompletionRequest(_RequestBase, kw_only=True):
     prompt: str | list[Any]
     logprobs: int | bool | None = None
-    echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """Refuse what kvfence does not do: transfer fields, n != 1, penalties, logprobs, > 4 stops,
-    max_tokens < 1. Raises RequestError(400) naming the field."""
+    """Refuse what kvfence does not do or bound: transfer fields, `UNSUPPORTED_FIELDS` with a value
+    that would change the output, too many or too long stop strings, too many stop_token_ids,
+    temperature outside [0, 2], a seed outside int64, max_tokens < 1. Raises RequestError(400)
+    naming the field. (top_p and top_k are bounded by `SamplingParams`; token ids against the
+    vocabulary by the API, which knows it.)"""
     for field in FORBIDDEN_FIELDS:
         top_level = getattr(req, field) is not UNSET
         if top_level or (req.extra_body is not None and field in req.extra_body):
             raise invalid(field if top_level else f"extra_body.{field}",
                           f"'{field}' is not accepted in a request body: the server alone chooses peers, "
                           "KV pages and transports. Remove the field.", "forbidden_parameter")
-    if req.n is not None and req.n != 1:
-        raise invalid("n", f"n must be 1 (one choice per request is supported), got {req.n}", "unsupported_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value is not None and value != 0:
-            raise invalid(name, f"{name} is not supported; send 0 or leave it out (got {value})",
-                          "unsupported_value")
-    if req.logit_bias:
-        raise invalid("logit_bias", "logit_bias is not supported; leave it out", "unsupported_value")
-    if req.logprobs is not None and req.logprobs is not False:  # `in (None, False)` would let 0 in
-        raise invalid("logprobs", f"logprobs are not supported; send false or leave it out (got {req.logprobs})",
-                      "unsupported_value")
-    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
-        raise invalid("stop", f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(req.stop)}")
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise invalid("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
-    if isinstance(req, ChatCompletionRequest):
-        _check_chat_only(req)
-    else:
-        _check_completion_only(req)
-
-
-def _check_chat_only(req: ChatCompletionRequest) -> None:
-    if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+    for field, no_ops in UNSUPPORTED_FIELDS.items():
+        value = getattr(req, field)
+        if value is not UNSET and value is not None and not any(_same(value, v) for v in no_ops):
+            default = f" or send {_show(no_ops[0])}" if no_ops else ""
+            raise invalid(field, f"'{field}' is not supported by this server; leave it out{default} "
+                                 f"(got {_show(value)})", "unsupported_value")
+    _check_bounds(req)
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None \
+            and req.max_completion_tokens < 1:
         raise invalid("max_completion_tokens", f"max_completion_tokens must be at least 1, "
                                                f"got {req.max_completion_tokens}")
-    if req.top_logprobs not in (None, 0):
-        raise invalid("top_logprobs", "top_logprobs is not supported; leave it out", "unsupported_value")
-    if req.tools:
-        raise invalid("tools", "tools (function calling) are not supported; leave them out", "unsupported_value")
 
 
-def _check_completion_only(req: CompletionRequest) -> None:
-    if req.echo:
-        raise invalid("echo", "echo is not supported; send false or leave it out", "unsupported_value")
-    if req.best_of not in (None, 1):
-        raise invalid("best_of", f"best_of must be 1, got {req.best_of}", "unsupported_value")
-    if req.suffix:
-        raise invalid("suffix", "suffix is not supported; leave it out", "unsupported_value")
+def _same(value: object, no_op: object) -> bool:
+    return type(value) is type(no_op) and value == no_op
+
+
+def _show(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_bounds(req: ChatCompletionRequest | CompletionRequest) -> None:
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise invalid("stop", f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}")
+    for stop in stops:
+        if len(stop) > MAX_STOP_CHARS:
+            raise invalid("stop", f"a stop sequence may be at most {MAX_STOP_CHARS} characters, got {len(stop)}")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                                        f"got {len(req.stop_token_ids)}")
+    if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:
+        raise invalid("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g} (0 = greedy), "
+                                     f"got {req.temperature}")
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
+        raise invalid("seed", f"seed must be a 64-bit signed integer, got {req.seed}")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise invalid("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
 
 
 def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:

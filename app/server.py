@@ -125,7 +125,8 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
             scheduler.refresh_metrics()
             return metrics.render()
 
-        app = build_app(engine, metrics_text)
+        app = build_app(engine, metrics_text, max_body_bytes=config.max_body_bytes,
+                        stall_timeout_s=config.stall_timeout_s)
         hyper = HypercornConfig()
         hyper.bind = [f"{config.host}:{config.port}"]
         hyper.accesslog = None

@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvfence.scheduler.errors import RequestError
 
@@ -25,34 +24,63 @@ class OutputDelta:
 class RequestHandle:
     """Created by the scheduler at admission; consumed by exactly one HTTP response.
 
-    `deltas()` yields until the terminal delta. `abort()` is idempotent and safe from any point
-    (also after the request ended): the scheduler ends the request through its abort path.
+    `push()` is called synchronously from the scheduler's loops: it never blocks and never raises.
+    Output the reader has not taken yet is coalesced into one pending delta (texts and token ids
+    appended in order), so what a handle buffers is at most the request's own output (bounded by
+    its max_tokens, checked at admission) plus its terminal delta, however slowly it is read; a
+    reader that falls behind gets everything new in one delta. Ending a request whose reader has
+    stopped is the reader's side's job (`abort()`; the HTTP layer's stall timeout).
+
+    `deltas()` yields until the terminal delta (pending output first, then the terminal delta).
+    `abort()` is idempotent and safe from any point (also after the request ended): the scheduler
+    ends the request through its abort path.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], on_abort: Callable[[], None]) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._on_abort = on_abort
-        self._send: MemoryObjectSendStream[OutputDelta]
-        self._receive: MemoryObjectReceiveStream[OutputDelta]
-        self._send, self._receive = anyio.create_memory_object_stream[OutputDelta](max_buffer_size=1 << 16)
+        self._texts: list[str] = []  # pending output, in order
+        self._ids: list[int] = []
+        self._terminal: OutputDelta | None = None
+        self._reader_gone = False
+        self._wakeup: anyio.Event | None = None  # set while the reader waits for output
 
     def push(self, delta: OutputDelta) -> None:
-        """Scheduler side: never blocks; output after a terminal delta is dropped."""
-        try:
-            self._send.send_nowait(delta)
-        except anyio.BrokenResourceError:  # the reader is gone: close our side too
-            self._send.close()
-            return
-        except anyio.ClosedResourceError:
+        """Scheduler side: never blocks, never raises; output after a terminal delta, or after the
+        reader left, is dropped."""
+        if self._terminal is not None or self._reader_gone:
             return
         if delta.finish_reason is not None or delta.error is not None:
-            self._send.close()
+            self._terminal = delta
+        else:
+            self._texts.append(delta.text)
+            self._ids += delta.token_ids
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens pushed that the reader has not taken yet (tests and metrics)."""
+        return len(self._ids)
 
     def abort(self) -> None:
         self._on_abort()
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
-        async with self._receive:
-            async for delta in self._receive:
-                yield delta
+        try:
+            while True:
+                if self._ids or self._texts:
+                    text, ids = "".join(self._texts), self._ids
+                    self._texts, self._ids = [], []
+                    yield OutputDelta(text, ids)
+                elif self._terminal is not None:
+                    yield self._terminal
+                    return
+                else:
+                    self._wakeup = anyio.Event()
+                    await self._wakeup.wait()
+                    self._wakeup = None
+        finally:
+            self._reader_gone = True
+            self._texts, self._ids = [], []

@@ -48,11 +48,68 @@ def test_max_tokens_is_used_when_max_completion_tokens_is_absent() -> None:
     assert s.requested_max_tokens(completion(max_tokens=9)) == (9, "max_tokens")
 
 
-def test_stop_accepts_a_string_or_up_to_four_strings() -> None:
+def test_stop_accepts_a_string_or_up_to_sixteen_strings_of_bounded_length() -> None:
     assert s.stop_strings(chat(stop="x")) == ("x",)
     assert s.stop_strings(chat()) == ()
-    s.check_common(chat(stop=["1", "2", "3", "4"]))
-    assert refused(chat(stop=["1", "2", "3", "4", "5"])).param == "stop"
+    s.check_common(chat(stop=[str(i) for i in range(s.MAX_STOP_SEQUENCES)]))
+    assert refused(chat(stop=[str(i) for i in range(s.MAX_STOP_SEQUENCES + 1)])).param == "stop"
+    s.check_common(chat(stop="x" * s.MAX_STOP_CHARS))
+    for stop in ("x" * (s.MAX_STOP_CHARS + 1), ["a", "x" * (s.MAX_STOP_CHARS + 1)]):
+        err = refused(completion(stop=stop))
+        assert (err.param, err.code) == ("stop", "invalid_value") and str(s.MAX_STOP_CHARS) in err.message
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"stop_token_ids": list(range(s.MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
+    ({"temperature": 2.01}, "temperature"), ({"temperature": -0.1}, "temperature"),
+    ({"temperature": 1e300}, "temperature"),
+    ({"seed": 1 << 63}, "seed"), ({"seed": -(1 << 63) - 1}, "seed"), ({"seed": 10 ** 30}, "seed"),
+])
+def test_values_out_of_bounds_are_refused(fields: dict, param: str) -> None:
+    for req in (chat(**fields), completion(**fields)):
+        err = refused(req)
+        assert (err.param, err.code) == (param, "invalid_value")
+
+
+def test_values_at_the_bounds_are_accepted() -> None:
+    s.check_common(chat(temperature=2, seed=(1 << 63) - 1, stop_token_ids=list(range(s.MAX_STOP_TOKEN_IDS))))
+    s.check_common(completion(temperature=0.0, seed=-(1 << 63)))
+
+
+# A value that would change the output, for every field of UNSUPPORTED_FIELDS.
+ACTIVE_VALUES: dict[str, object] = {
+    "n": 2, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": 1.0},
+    "logprobs": True, "top_logprobs": 3, "echo": True, "suffix": "end", "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
+    "function_call": "auto", "parallel_tool_calls": "yes", "audio": {"voice": "x"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content"}, "reasoning_effort": "high", "web_search_options": {},
+    "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 5, "length_penalty": 2, "use_beam_search": True,
+    "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "prompt_logprobs": 1, "allowed_token_ids": [1], "bad_words": ["x"], "guided_json": {}, "guided_regex": "a+",
+    "guided_choice": ["a"], "guided_grammar": "g", "structured_outputs": {"json": {}}, "logits_processors": ["p"],
+    "truncate_prompt_tokens": 5, "return_tokens_as_token_ids": True, "add_generation_prompt": False,
+    "continue_final_message": True, "chat_template": "{{ x }}", "chat_template_kwargs": {"a": 1},
+    "documents": [{"text": "d"}],
+}
+
+
+def test_every_unsupported_field_has_an_active_value_here() -> None:
+    assert set(ACTIVE_VALUES) == set(s.UNSUPPORTED_FIELDS)
+
+
+@pytest.mark.parametrize("field", sorted(s.UNSUPPORTED_FIELDS))
+def test_unsupported_fields_are_refused_by_name_never_ignored(field: str) -> None:
+    for req in (chat(**{field: ACTIVE_VALUES[field]}), completion(**{field: ACTIVE_VALUES[field]})):
+        err = refused(req)
+        assert (err.param, err.code) == (field, "unsupported_value")
+        assert field in err.message
+
+
+@pytest.mark.parametrize("field", sorted(s.UNSUPPORTED_FIELDS))
+def test_unsupported_fields_at_a_value_that_changes_nothing_are_accepted(field: str) -> None:
+    for value in (None, *s.UNSUPPORTED_FIELDS[field]):
+        s.check_common(chat(**{field: value}))
+        s.check_common(completion(**{field: value}))
 
 
 @pytest.mark.parametrize("field", s.FORBIDDEN_FIELDS)

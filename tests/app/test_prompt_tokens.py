@@ -1,0 +1,60 @@
+"""PromptEncoder: the same ids as the tokenizer, and a lower bound on the token count that never
+over-counts, so a prompt refused without tokenization could never have fit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_http_api import make_tokenizer
+
+from kvfence.app.prompt_tokens import SHORT_TEXT_CHARS, PromptEncoder, encode_releasing_gil
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.scheduler.errors import RequestError
+
+
+def texts(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = "the quick brown fox 0123456789 \n\t é中🙂<|im_start|><|endoftext|>"
+    return ["", "hello", "<|endoftext|>hi", "x" * 70_000, "é" * 1000,
+            *("".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 3000))) for _ in range(20))]
+
+
+def test_encode_releasing_gil_equals_encode(tiny: Checkpoint) -> None:
+    with_bos = make_tokenizer()
+    with_bos.add_bos = True  # a raw prompt starts with BOS
+    for tok in (make_tokenizer(), with_bos, tiny.tokenizer):
+        for text in texts(1):
+            for add_bos in (None, False, True):
+                assert encode_releasing_gil(tok, text, add_bos=add_bos) == tok.encode(text, add_bos=add_bos)
+
+
+@pytest.mark.parametrize("which", ["bytes", "tiny"])
+def test_the_lower_bound_never_exceeds_the_real_count(tiny: Checkpoint, which: str) -> None:
+    tok: Tokenizer = make_tokenizer() if which == "bytes" else tiny.tokenizer
+    encoder = PromptEncoder(tok)
+    for text in texts(2):
+        nbytes, at_least = encoder.min_tokens(text)
+        assert nbytes == len(text.encode()) and at_least <= len(tok.encode(text, add_bos=False)), text[:40]
+    long = "the quick brown fox " * 10_000
+    assert 0 < encoder.min_tokens(long)[1] <= len(tok.encode(long, add_bos=False))
+
+
+def test_a_long_text_over_the_bound_is_refused_and_one_under_it_is_encoded(tiny: Checkpoint) -> None:
+    tok = tiny.tokenizer
+    encoder = PromptEncoder(tok)
+    text = "ab1 " * (SHORT_TEXT_CHARS // 2)
+    assert encoder.encode(text, add_bos=None, where="prompt", max_context_tokens=10**9) == tok.encode(text)
+    with pytest.raises(RequestError) as info:
+        encoder.encode(text, add_bos=None, where="messages", max_context_tokens=encoder.min_tokens(text)[1])
+    assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", "messages")
+    assert f"{len(text)} bytes long, which is at least" in info.value.message
+
+
+def test_no_bound_for_a_tokenizer_with_a_normalizer() -> None:
+    from tokenizers import normalizers
+
+    tok = make_tokenizer()
+    tok.inner.normalizer = normalizers.Strip()  # could shorten any text to nothing
+    assert PromptEncoder(tok).min_tokens(" " * 100_000) == (100_000, 0)
