@@ -4,8 +4,8 @@
 ones, see `http_api.INLINE_BODY_BYTES`). A long text is first compared with a bound that needs no
 tokenization: no token stands for more bytes than the longest entry of the vocabulary, so a text
 of N bytes is at least N / that many tokens; one that cannot fit the context is refused at once
-(a 3 MB prompt costs a pass over its bytes, not seconds of BPE). The rest is tokenized through
-`encode_releasing_gil`, which lets the event loop run meanwhile.
+(a 3 MB prompt costs a pass over its bytes, not seconds of BPE). The rest is tokenized by
+`Tokenizer.encode`, which releases the GIL, so the event loop runs meanwhile.
 """
 
 from __future__ import annotations
@@ -15,17 +15,6 @@ from kvfence.scheduler.errors import RequestError
 
 # Texts up to this many characters are tokenized as they are (well under a millisecond's work).
 SHORT_TEXT_CHARS = 64 << 10
-
-
-def encode_releasing_gil(tok: Tokenizer, text: str, *, add_bos: bool | None) -> list[int]:
-    """`tok.encode(text, add_bos=add_bos)`, through `encode_batch`: the `tokenizers` binding
-    releases the GIL in `encode_batch` but holds it in `encode`, so a megabyte tokenized by
-    `encode`, even in a worker thread, stops the event loop for the whole second it takes."""
-    ids: list[int] = tok.inner.encode_batch([text], add_special_tokens=False)[0].ids
-    bos = tok.encode("", add_bos=add_bos)  # [] or [bos id]: the tokenizer's own BOS policy
-    if bos and (not ids or ids[0] != bos[0]):
-        ids.insert(0, bos[0])
-    return ids
 
 
 class PromptEncoder:
@@ -46,7 +35,7 @@ class PromptEncoder:
                                f"This model's maximum context length is {max_context_tokens} tokens. However, your "
                                f"{where} is {nbytes} bytes long, which is at least {at_least} tokens. Please reduce "
                                f"the length of the {where}.", param=where)
-        return encode_releasing_gil(self.tokenizer, text, add_bos=add_bos)
+        return self.tokenizer.encode(text, add_bos=add_bos)
 
     def min_tokens(self, text: str) -> tuple[int, int]:
         """(UTF-8 bytes of `text`, a lower bound on its token count). The bound is 0 for a

@@ -56,8 +56,12 @@ class Tokenizer:
         self.vocab_size = inner.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognised as such."""
-        ids: list[int] = self.inner.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special tokens written in the text are recognised as such.
+
+        Through `encode_batch`: the `tokenizers` binding releases the GIL there but holds it in
+        `encode`, so a megabyte tokenized by `encode`, even in a worker thread, would stop the
+        event loop for the second it takes (and for short texts it is no slower)."""
+        ids: list[int] = self.inner.encode_batch([text], add_special_tokens=False)[0].ids
         want_bos = self.add_bos if add_bos is None else (add_bos and self.bos_token_id is not None)
         if want_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ import random
 import pytest
 from test_http_api import make_tokenizer
 
-from kvfence.app.prompt_tokens import SHORT_TEXT_CHARS, PromptEncoder, encode_releasing_gil
+from kvfence.app.prompt_tokens import SHORT_TEXT_CHARS, PromptEncoder
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.scheduler.errors import RequestError
@@ -21,13 +21,18 @@ def texts(seed: int) -> list[str]:
             *("".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 3000))) for _ in range(20))]
 
 
-def test_encode_releasing_gil_equals_encode(tiny: Checkpoint) -> None:
+def test_encode_through_the_batch_call_equals_the_plain_one(tiny: Checkpoint) -> None:
+    """Tokenizer.encode goes through `encode_batch` (it releases the GIL): the same ids as the
+    binding's plain `encode`, with the tokenizer's BOS policy on top."""
     with_bos = make_tokenizer()
     with_bos.add_bos = True  # a raw prompt starts with BOS
     for tok in (make_tokenizer(), with_bos, tiny.tokenizer):
         for text in texts(1):
+            plain = tok.inner.encode(text, add_special_tokens=False).ids
             for add_bos in (None, False, True):
-                assert encode_releasing_gil(tok, text, add_bos=add_bos) == tok.encode(text, add_bos=add_bos)
+                bos = [tok.bos_token_id] if (tok.add_bos if add_bos is None else add_bos) \
+                    and tok.bos_token_id is not None and (not plain or plain[0] != tok.bos_token_id) else []
+                assert tok.encode(text, add_bos=add_bos) == bos + plain
 
 
 @pytest.mark.parametrize("which", ["bytes", "tiny"])
