@@ -30,12 +30,14 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvfence.app import openai_schemas as s
+from kvfence.app.client_id import EchoRequestId, client_request_id
 from kvfence.app.engine_client import EngineClient
 from kvfence.app.http_errors import (context_too_long, decode_body, error_envelope, error_response, for_client,
                                      from_sampling_error, http_exception_handler, internal_error,
@@ -74,6 +76,7 @@ class _Prepared:
     stream: bool
     include_usage: bool
     model: str
+    user: str | None = None  # the client's `user` field: logged, never used
 
 
 class _Shape:
@@ -244,6 +247,8 @@ class _Api:
             else:  # decoding, rendering and tokenizing a long input would stall every other stream
                 prep = await anyio.to_thread.run_sync(self._prepare, body, chat, limiter=self.long_inputs)
             handle = self.engine.submit(prep.prompt_ids, prep.sampling)
+            log.info("request %s admitted: %d prompt tokens, client request id %r, user %r", handle.request_id,
+                     len(prep.prompt_ids), client_request_id(request), prep.user)
         except RefusedBody as refused:
             return BodyTooLarge(refused)
         except ClientDisconnect:
@@ -312,7 +317,7 @@ class _Api:
             raise from_sampling_error(e, max_param) from e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Prepared(prompt_ids=ids, sampling=sampling, chat=chat, stream=bool(req.stream),
-                         include_usage=include_usage, model=self.engine.model_name)
+                         include_usage=include_usage, model=self.engine.model_name, user=req.user)
 
     async def models(self, request: Request) -> Response:
         card = s.ModelCard(id=self.engine.model_name, created=self.created,
@@ -357,5 +362,5 @@ def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]
         Route("/ready", api.ready, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_exception_handler,
-                                                        Exception: server_error_handler})
+    return Starlette(routes=routes, middleware=[Middleware(EchoRequestId)],
+                     exception_handlers={HTTPException: http_exception_handler, Exception: server_error_handler})

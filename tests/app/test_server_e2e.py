@@ -7,6 +7,7 @@ equal solo runs, and every test leaves both KV pools at their baseline (read fro
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,15 +204,22 @@ def test_same_client_request_id_twice(server: ServerProcess, reference: dict) ->
     served correctly, with distinct server-minted ids."""
     cases = [c for c in reference["cases"] if c["kind"] == "chat"][:2]
 
-    async def run() -> list[dict]:
+    async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             rs = await asyncio.gather(*(http.post("/v1/chat/completions", headers={"X-Request-Id": "same"}, json={
                 "model": MODEL, "messages": c["messages"], "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                 "user": "same", "request_id": "same"}) for c in cases))
-            return [r.json() for r in rs]
+            return list(rs)
 
-    out = asyncio.run(run())
+    responses = asyncio.run(run())
+    out = [r.json() for r in responses]
     assert out[0]["id"] != out[1]["id"]
     for c, r in zip(cases, out):
         assert c["text_until_eos"].startswith(r["choices"][0]["message"]["content"])
+    # the client's id comes back with each response and is in the log line of each, next to the
+    # server's own distinct id: both requests are observably served
+    assert [r.headers["x-request-id"] for r in responses] == ["same", "same"]
+    admitted = re.findall(r"request ([0-9a-f]{32}) admitted: \d+ prompt tokens, client request id 'same', "
+                          r"user 'same'", server.log())
+    assert {f"chatcmpl-{i}" for i in admitted} >= {r["id"] for r in out}
     wait_baseline(server)
