@@ -235,6 +235,14 @@ class Scheduler(Preemption):
         ended = req.fail(error, aborted=aborted) if error is not None else req.finish(reason, tail, tail_ids)
         if ended:
             self.metrics.finished(req)
+        self._release_leases(req)
+        if admit:
+            self._reserve_queued()
+        self._wake()
+
+    def _release_leases(self, req: Request) -> None:
+        """Take `req` out of the running sets and release every lease it holds (the workers
+        untag and scrub the pages in their next message)."""
         for group in (self.prefilling, self.decoding):
             if req in group:
                 group.remove(req)
@@ -242,9 +250,6 @@ class Scheduler(Preemption):
         if self.decode is not self.prefill:
             self.decode.release(req.decode_lease)
         req.prefill_lease = req.decode_lease = 0
-        if admit:
-            self._reserve_queued()
-        self._wake()
 
     def _drop_aborted(self, group: list[Request]) -> None:
         for req in [r for r in group if r.abort_requested]:

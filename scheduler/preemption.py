@@ -53,6 +53,7 @@ class Preemption:
         def _end(self, req: Request, error: RequestError | None, aborted: bool = False, reason: str = "",
                  tail: str = "", tail_ids: list[int] | None = None, admit: bool = True) -> None: ...
         def _reserve_queued(self) -> None: ...
+        def _release_leases(self, req: Request) -> None: ...
         def _queue_front(self) -> int: ...
         def _initial_pages(self, num_tokens: int) -> tuple[int, int]: ...
 
@@ -131,12 +132,6 @@ class Preemption:
         log.info("request %s preempted after %d generated tokens (preemption %d): the decode pool is out of pages",
                  req.request_id, req.num_generated, req.preemptions + 1)
         self.metrics.preempted()
-        for group in (self.prefilling, self.decoding):
-            if req in group:
-                group.remove(req)
-        self.prefill.release(req.prefill_lease)
-        if self.decode is not self.prefill:
-            self.decode.release(req.decode_lease)
-        req.prefill_lease = req.decode_lease = 0
+        self._release_leases(req)
         req.requeue()
         self.queue.insert(self._queue_front(), req)
