@@ -205,3 +205,41 @@ def test_open_close_cycles_leak_no_threads_or_descriptors(pair: Pair) -> None:
     for _ in range(10):
         cycle()
     assert (num_threads(), num_fds()) == (threads, fds)
+
+
+def test_one_batch_failing_while_another_still_writes_keeps_the_write_pending(pair: Pair) -> None:
+    """FAILURES 7 with the real engine: one write of two ranges is two engine batches in flight at
+    once. The small one is reported failed (its status is the one thing injected) while the other,
+    64 MiB, is still really being written: the write stays PENDING, so nothing can be released,
+    until that batch is terminal too; then it is FAILED, and the big range's bytes did land."""
+    from kvfence.transports import mooncake_plane
+
+    tx = MooncakePlane()
+    tx.open(pair.src)
+    big = (64 << 20) - 2 * PAGE
+    ranges = [(0, SMALL_NBYTES, PAGE), (2 * PAGE, SMALL_NBYTES + 2 * PAGE, big)]  # not contiguous: two batches
+    pair.dst[SMALL_NBYTES:].zero_()
+    handle = tx.post_write(tx.connect(pair.rx_descriptor), ranges, b"")
+    assert len(handle.live) == 2  # type: ignore[attr-defined]
+    small_batch = handle.live[0]  # type: ignore[attr-defined]
+    engine = tx._engine  # type: ignore[attr-defined]
+
+    class ReportsTheSmallBatchFailed:  # the real engine, but for that one status
+        def __getattr__(self, name: str) -> object:
+            return getattr(engine, name)
+
+        def transfer_check_status(self, batch: int) -> int:
+            return mooncake_plane._FAILED if batch == small_batch else engine.transfer_check_status(batch)
+
+    tx._engine = ReportsTheSmallBatchFailed()  # type: ignore[attr-defined]
+    pending_after_failure = 0
+    while (state := tx.state(handle)) is WriteState.PENDING:
+        if handle.failed and handle.live:  # type: ignore[attr-defined]
+            pending_after_failure += 1
+        time.sleep(0.0005)
+    assert pending_after_failure > 0  # seen failed while the other batch still wrote: still PENDING
+    assert state is WriteState.FAILED
+    assert torch.equal(pair.dst[SMALL_NBYTES + 2 * PAGE:SMALL_NBYTES + 2 * PAGE + big], pair.src[2 * PAGE:2 * PAGE + big])
+    tx.release(handle)
+    tx._engine = engine  # type: ignore[attr-defined]
+    tx.close()
