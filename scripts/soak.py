@@ -9,7 +9,8 @@ drawn, by `--seed`, from these kinds:
   chat         a chat request of one client, streamed or not; its prompt carries the client's
                canary (a random code word); a fault injected into its transfer may fail it with
                502 kv_transfer_failed, nothing else
-  near_limit   a completion whose prompt + max_tokens fill the context exactly: must succeed
+  near_limit   a completion whose prompt + max_tokens fill the context exactly: must succeed (a
+               sequence of requests, so its bound is four times the others')
   over_long    a prompt over the context: must be 400 context_length_exceeded, before anything
   cancel       a stream the client drops: before any byte, after the first chunk, or after a few
   stalled      a stream whose client sends the request and then never reads: the server must end
@@ -135,16 +136,25 @@ def judge_served(out: Outcome) -> None:
 
 
 async def prompt_tokens(http: httpx.AsyncClient, prompt: str) -> int | None:
-    """The prompt's length in tokens (a 1-token completion's usage), or None when it is refused."""
-    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
-    return r.json()["usage"]["prompt_tokens"] if r.status_code == 200 else None
+    """The prompt's length in tokens (a 1-token completion's usage); None when it is too long for
+    the context. A 5xx (an injected transfer fault, a busy server) is asked again, up to 8 times."""
+    for _ in range(8):
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        if r.status_code == 200:
+            return r.json()["usage"]["prompt_tokens"]
+        if r.status_code < 500 and r.status_code != 429:
+            return None
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"the server kept answering {r.status_code} {error_code(r)} to a 1-token completion")
 
 
 async def near_limit(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
     """A prompt a few tokens short of the context, with max_tokens filling it exactly: served;
     one token more: refused."""
     digit = str(rng.randint(0, 9))
-    per_word = (await prompt_tokens(http, f"{digit} " * 100) or 100) / 100
+    calibration = await prompt_tokens(http, f"{digit} " * 100)
+    assert calibration is not None  # 100 words always fit
+    per_word = calibration / 100
     words = int((soak.context - rng.randint(4, 16)) / per_word)
     for _ in range(4):  # tokenization is close to linear here; shrink until it fits
         prompt = f"{digit} " * words
@@ -245,15 +255,18 @@ RUNNERS = {"chat": chat, "near_limit": near_limit, "over_long": over_long, "canc
 
 async def one(soak: Soak, http: httpx.AsyncClient, kind: str, seed: int, bound_s: float) -> Outcome:
     out, t0 = Outcome(kind), time.monotonic()
+    if kind == "near_limit":  # several requests in a row, two of them whole-context prefills
+        bound_s *= 4
     try:
-        with_timeout = asyncio.timeout(bound_s)
-        async with with_timeout:
+        async with asyncio.timeout(bound_s):
             await RUNNERS[kind](soak, http, random.Random(seed), out)
     except TimeoutError:
         out.problem = f"no end within {bound_s:g} s (a hang)"
     except httpx.HTTPError as e:
         if kind not in ("cancel", "oversized", "stalled"):  # these drop or get dropped on purpose
             out.problem = f"transport error: {e!r}"
+    except RuntimeError as e:
+        out.problem = str(e)
     out.seconds = time.monotonic() - t0
     if kind in BAD_INPUT and out.status is not None and out.status >= 500:
         out.problem = f"bad input answered with {out.status}"
