@@ -152,8 +152,9 @@ async def near_limit(soak: Soak, http: httpx.AsyncClient, rng: random.Random, ou
     """A prompt a few tokens short of the context, with max_tokens filling it exactly: served;
     one token more: refused."""
     digit = str(rng.randint(0, 9))
-    calibration = await prompt_tokens(http, f"{digit} " * 100)
-    assert calibration is not None  # 100 words always fit
+    if (calibration := await prompt_tokens(http, f"{digit} " * 100)) is None:
+        out.problem = "a 100-word prompt was refused as too long"
+        return
     per_word = calibration / 100
     words = int((soak.context - rng.randint(4, 16)) / per_word)
     for _ in range(4):  # tokenization is close to linear here; shrink until it fits
