@@ -114,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
     from kvfence.engine.kv_pool import KVPool
     from kvfence.engine.llama import LlamaModel
     from kvfence.engine.loading import load_model_spec, pick_device, pick_dtype
-    from kvfence.engine.offline import OfflineEngine
+    from kvfence.scheduler.offline import OfflineEngine
     from kvfence.engine.runner import ModelRunner
     from kvfence.engine.sampling import SamplingParams
 

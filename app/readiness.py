@@ -21,11 +21,11 @@ from prometheus_client import Counter, Gauge
 
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
-from kvfence.engine.offline import OfflineEngine
+from kvfence.scheduler.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.core import Scheduler
+from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.errors import AdmissionRejected
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class ReadinessCanary:
     async def check_once(self) -> bool:
         """One canary through the serving path; updates `passed`."""
         if self.expected is None:
-            self.expected = await self.scheduler.prefill.channel.compute.run(self._local_answer)
+            self.expected = await self.scheduler.prefill_channel.compute.run(self._local_answer)
         ids: list[int] = []
         error = ""
         try:

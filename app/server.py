@@ -27,7 +27,7 @@ from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.worker import WorkerChannel
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.core import Scheduler
+from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.transports.base import PairingRefused, Transport

@@ -56,20 +56,26 @@ class Worker:
 
     def execute(self, request: WorkerRequest) -> WorkerReply:
         """Run one message to completion (called in the worker's thread)."""
+        return self.execute_with_logits(request)[0]
+
+    def execute_with_logits(self, request: WorkerRequest,
+                            return_logits: bool = False) -> tuple[WorkerReply, torch.Tensor | None]:
+        """`execute`, and with `return_logits` the logits of every token sampled, one row per
+        sampled seq in order (in-process callers only: logits never travel)."""
         match request:
             case RunStep() if request.incarnation and request.incarnation != self.incarnation:
                 return StepFailed(request.step_id, f"the {self.role} worker restarted (step for incarnation "
                                   f"{request.incarnation}, worker is {self.incarnation})", self.incarnation,
-                                  stale_incarnation=True)
+                                  stale_incarnation=True), None
             case RunStep():
                 try:
-                    return self._run_step(request)
+                    return self._run_step(request, return_logits)
                 except Exception as e:  # a failed step fails its requests, not the worker
                     log.exception("%s worker: step %d failed", self.role, request.step_id)
-                    return StepFailed(request.step_id, f"{type(e).__name__}: {e}", self.incarnation)
+                    return StepFailed(request.step_id, f"{type(e).__name__}: {e}", self.incarnation), None
         raise TypeError(f"unknown worker message {type(request).__name__}")
 
-    def _run_step(self, cmd: RunStep) -> StepDone:
+    def _apply_tags(self, cmd: RunStep) -> None:
         if cmd.released:
             self.pool.clear(cmd.released, self.scrub)
         for grant in cmd.grants:
@@ -79,15 +85,27 @@ class Worker:
                 self.sanitizer.forget(cmd.released)
             for landing in cmd.landed:
                 self.sanitizer.record_write(id_from_hex(landing.lease), landing.pages, 0, landing.num_tokens)
+
+    def _run_step(self, cmd: RunStep, return_logits: bool) -> tuple[WorkerReply, torch.Tensor | None]:
+        """Apply the message's tag changes, then run its forward. Contract with the scheduler: a
+        reply from the incarnation the message was built for means its tag changes were applied,
+        also when the forward failed; a worker that cannot apply them comes back as a new
+        incarnation (every page poisoned and untagged), so the scheduler fails what was bound to it."""
+        try:
+            self._apply_tags(cmd)
+        except Exception as e:
+            log.exception("%s worker: applying the page tags of step %d failed: restarting", self.role, cmd.step_id)
+            self.restart()
+            return StepFailed(cmd.step_id, f"{type(e).__name__}: {e}", self.incarnation), None
         if not cmd.seqs:
-            return StepDone(cmd.step_id, [], incarnation=self.incarnation)
+            return StepDone(cmd.step_id, [], incarnation=self.incarnation), None
         works = [SeqWork(s.token_ids, s.context_tokens, s.page_table, id_from_hex(s.lease),
                          s.sampling.params() if s.sampling is not None else None, s.output_index)
                  for s in cmd.seqs]
         with torch.inference_mode():
-            result = self.runner.step(works)
+            result = self.runner.step(works, return_logits)
         return StepDone(cmd.step_id, result.tokens, [self._mismatch(v) for v in result.violations],
-                        self.incarnation)
+                        self.incarnation), result.logits
 
     def _mismatch(self, v: OwnerViolation | SlotViolation) -> OwnerMismatch:
         if isinstance(v, OwnerViolation):
@@ -105,7 +123,7 @@ class WorkerChannel:
     every worker sharing the device) runs one step at a time.
 
     Contract: a worker runs its messages in the order `call` was entered. The scheduler relies on
-    it (a reply to one message means every earlier one was applied: WorkerPool.tags_applied); a
+    it (a reply to one message means every earlier one was applied: LeaseTable.grant_applied); a
     channel to a worker in another process must keep one ordered stream per worker."""
 
     def __init__(self, worker: Worker, compute: ComputeThread) -> None:

@@ -17,6 +17,9 @@ class RequestError(Exception):
         self.error_type = error_type or ("invalid_request_error" if status < 500 else "server_error")
         self.retry_after_s = retry_after_s
 
+    def __deepcopy__(self, memo: dict[int, object]) -> RequestError:
+        return self  # never changed once made: a copy of a request may share it
+
 
 class AdmissionRejected(RequestError):
     """Refused at admission: nothing was reserved, no worker or transport ever saw the request."""

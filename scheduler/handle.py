@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 import anyio
 
-from kvfence.scheduler.errors import RequestError
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputDelta:
-    """New output of one request. The last delta has `finish_reason` set ("stop" or "length"),
-    or `error` set when the request failed after admission (never both)."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    error: RequestError | None = None
+from kvfence.scheduler.output import OutputDelta
 
 
 class RequestHandle:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -63,8 +62,7 @@ class SchedulerMetrics:
         self.waiting.set(waiting)
         self.running.set(running)
 
-    def token(self, req: Request) -> None:
-        now = time.monotonic()
+    def token(self, req: Request, now: float) -> None:
         if req.first_token_s is None:
             req.first_token_s = now
             self.ttft.observe(now - req.created_s)
@@ -73,10 +71,10 @@ class SchedulerMetrics:
         req.last_token_s = now
         self.generated_tokens.inc()
 
-    def finished(self, req: Request) -> None:
+    def finished(self, req: Request, now: float) -> None:
         self.requests.labels(req.state.value if req.finish_reason is None else req.finish_reason).inc()
         self.prompt_tokens.inc(len(req.prompt))
-        self.e2e.observe(time.monotonic() - req.created_s)
+        self.e2e.observe(now - req.created_s)
 
     def transfer(self, ok: bool, nbytes: int, handoff_s: float) -> None:
         """One transfer ended; `handoff_s`: from its prefill's end until now."""

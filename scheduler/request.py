@@ -10,19 +10,26 @@ attempt prefills prompt + every token generated so far, and the token that prefi
 next new one, so the stream goes on where it stopped.
 
 Terminal states are monotone: once ABORTED or FAILED, never FINISHED; a late "finished" after an
-abort is ignored, and so is a second terminal transition.
+abort is ignored, and so is a second terminal transition. An end asked for while the request cannot
+end at once (a step or a transfer may still touch its pages) is held in `pending_end` until it can.
+
+No clock is read here: every time comes from the caller (the scheduler core's events).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import time
 
-from kvfence.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.errors import RequestError
-from kvfence.scheduler.handle import OutputDelta, RequestHandle
+from kvfence.scheduler.output import OutputDelta, TextOutput
+
+CLIENT_CLOSED = "client_closed"  # the code of the error a client-initiated end carries
+
+
+def client_closed() -> RequestError:
+    return RequestError(499, CLIENT_CLOSED, "the client closed the request")
 
 
 class State(enum.Enum):
@@ -57,9 +64,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     max_tokens: int
-    handle: RequestHandle
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
+    output: TextOutput
+    created_s: float  # when it was admitted (the caller's monotonic clock)
     state: State = State.WAITING
     prefill_lease: int = 0
     decode_lease: int = 0
@@ -70,14 +76,14 @@ class Request:
     prefilled: int = 0  # tokens of prefill_target whose K/V are in the prefill (or colocated) pool
     decoded_context: int = 0  # tokens whose K/V are in the decode pool
     pending_token: int | None = None  # sampled by prefill, emitted once the KV has landed
-    prefill_done_s: float = 0.0  # monotonic time the prefill sampled the first token (disaggregated)
-    abort_requested: bool = False
-    abort_error: RequestError | None = None  # why the server aborted it (None: the client went away)
+    prefill_done_s: float = 0.0  # when the prefill sampled the first token (disaggregated)
+    stepping: bool = False  # part of a step in flight to a worker
+    transfer: int = 0  # the key of its KV transfer while one is started (0: none)
+    pending_end: RequestError | None = None  # an end asked for that waits until nothing touches its pages
     arrival: int = 0  # admission order: the newest running request is the one preempted
     priority: bool = False  # a server-internal request (the readiness canary): ahead of the queue
     preemptions: int = 0
-    created_s: float = dataclasses.field(default_factory=time.monotonic)
-    queued_s: float = dataclasses.field(default_factory=time.monotonic)  # when it last joined the queue
+    queued_s: float = 0.0  # when it last joined the queue
     first_token_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
@@ -92,28 +98,31 @@ class Request:
             raise IllegalTransition(f"request {self.request_id}: {self.state.value} -> {new.value}")
         self.state = new
 
-    def requeue(self) -> None:
+    def __post_init__(self) -> None:
+        self.queued_s = self.created_s
+
+    def requeue(self, now_s: float) -> None:
         """Preempted (its pages are being released): back to WAITING, to prefill `tokens` again."""
         self.advance(State.WAITING)
         self.preemptions += 1
         self.prefill_target = len(self.tokens)
         self.prefilled = self.decoded_context = 0
         self.prefill_pages, self.decode_pages = [], []
-        self.queued_s = time.monotonic()
+        self.queued_s = now_s
 
-    def finish(self, reason: str, tail_text: str = "", tail_ids: list[int] | None = None) -> bool:
-        """Successful end ("stop" / "length"). False (and nothing sent) if already terminal."""
-        if self.state.terminal:
-            return False
+    def finish(self, last: OutputDelta) -> OutputDelta | None:
+        """Successful end with `last`, a delta with its finish reason ("stop" / "length"); the
+        delta to send, or None (nothing to send) if already terminal."""
+        if self.state.terminal or last.finish_reason is None:
+            return None
         self.state = State.FINISHED
-        self.finish_reason = reason
-        self.handle.push(OutputDelta(tail_text, tail_ids or [], finish_reason=reason))
-        return True
+        self.finish_reason = last.finish_reason
+        return last
 
-    def fail(self, error: RequestError, aborted: bool = False) -> bool:
-        """End with an error (FAILED, or ABORTED for a client-initiated end). False if terminal."""
+    def fail(self, error: RequestError) -> OutputDelta | None:
+        """End with an error: ABORTED for a client-initiated end (`client_closed`), else FAILED.
+        The delta to send, or None if already terminal."""
         if self.state.terminal:
-            return False
-        self.state = State.ABORTED if aborted else State.FAILED
-        self.handle.push(OutputDelta("", [], error=error))
-        return True
+            return None
+        self.state = State.ABORTED if error.code == CLIENT_CLOSED else State.FAILED
+        return OutputDelta("", [], error=error)

@@ -9,35 +9,18 @@ an error, a timeout or silence is a failure.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
-
 import msgspec
 
 import anyio
 
+from kvfence.scheduler.actions import MoveResult
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
 from kvfence.transports.base import Peer, TransferManifest, Transport
 from kvfence.transports.peer_auth import DeploymentSecret
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class MoveResult:
-    ok: bool
-    reason: str = ""
-    nbytes: int = 0
-    # False when a cancellation was not acknowledged: the destination pages must not be reused.
-    quiet: bool = True
-    # False when the sender did not acknowledge: a posted one-sided write may still read the
-    # source pages, so they must not be reused either (FAILURES 9).
-    source_quiet: bool = True
-    # When not quiet: waits until the sender learns that every write it posted is terminal (True:
-    # both ends' pages may be released then), or that it never will (False: they stay quarantined).
-    until_quiet: Callable[[], Awaitable[bool]] | None = None
 
 
 class TransferLink:

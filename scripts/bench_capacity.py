@@ -39,7 +39,7 @@ def bookkeeping(args: argparse.Namespace) -> None:
     from kvfence.engine.model_registry import resolve_model
     from kvfence.engine.sampling import SamplingParams
     from kvfence.scheduler.config import SchedulerConfig
-    from kvfence.scheduler.core import Scheduler
+    from kvfence.scheduler.driver import Scheduler
 
     checkpoint = load_checkpoint(resolve_model(None, kvfence_home(), progress=False))
     serve = ServeConfig()
@@ -47,9 +47,9 @@ def bookkeeping(args: argparse.Namespace) -> None:
     context, _ = resolve_context(serve, checkpoint.config, list(plans.values()))
     config = SchedulerConfig(page_size_tokens=serve.page_size_tokens, max_context_tokens=context,
                              max_running=serve.max_running, max_queue=serve.max_queue)
-    # Admission and reservation are synchronous: no worker is called until the loops run.
-    channel = types.SimpleNamespace(role="worker")
-    scheduler = Scheduler(config, checkpoint.tokenizer, channel, channel,  # type: ignore[arg-type]
+    # Admission and reservation are synchronous: no worker is called until the driver runs.
+    prefill, decode = types.SimpleNamespace(role="prefill"), types.SimpleNamespace(role="decode")
+    scheduler = Scheduler(config, checkpoint.tokenizer, prefill, decode,  # type: ignore[arg-type]
                           prefill_pages=plans["prefill"].num_pages, decode_pages=plans["decode"].num_pages,
                           link=types.SimpleNamespace())  # type: ignore[arg-type]
     tok = checkpoint.tokenizer
@@ -57,12 +57,12 @@ def bookkeeping(args: argparse.Namespace) -> None:
                for i in range(args.requests)]
     for p in prompts:
         scheduler.submit(p, SamplingParams())  # no max_tokens: up to the context
-    running = len(scheduler.prefilling) + len(scheduler.transferring) + len(scheduler.decoding)
+    running = scheduler.core.num_running()
     print(f"context {context} tokens; pools: prefill {plans['prefill'].num_pages} pages, decode "
           f"{plans['decode'].num_pages} pages of {serve.page_size_tokens} tokens; max_running {serve.max_running}")
     print(f"{args.requests} chat requests without max_tokens (prompts {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens): {running} running at once, {len(scheduler.queue)} waiting; "
-          f"decode pages reserved: {scheduler.decode.ledger.num_used}")
+          f"{max(map(len, prompts))} tokens): {running} running at once, {len(scheduler.core.queue)} waiting; "
+          f"decode pages reserved: {scheduler.ledger('decode').num_used}")
 
 
 async def served(args: argparse.Namespace) -> None:

@@ -18,7 +18,8 @@ from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.worker import Worker, WorkerChannel
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.core import Scheduler
+from kvfence.scheduler.driver import Scheduler
+from kvfence.scheduler.request import State
 from kvfence.transports.base import Transport
 
 
@@ -81,8 +82,8 @@ async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config
 def assert_baseline(scheduler: Scheduler) -> None:
     """Every page is back in its ledger, and each ledger accounts for every page."""
     assert all(n == 0 for n in scheduler.pages_in_use().values()), scheduler.pages_in_use()
-    for pool in {id(scheduler.prefill): scheduler.prefill, id(scheduler.decode): scheduler.decode}.values():
-        pool.ledger.check_integrity()
+    for worker in scheduler.core.workers:
+        worker.ledger.check_integrity()
 
 
 async def wait_idle(scheduler: Scheduler, timeout_s: float = 10) -> None:
@@ -96,7 +97,7 @@ async def wait_idle(scheduler: Scheduler, timeout_s: float = 10) -> None:
 async def until_transferring(scheduler: Scheduler, timeout_s: float = 5) -> None:
     """Until some request's KV transfer is in flight."""
     with anyio.fail_after(timeout_s):
-        while not scheduler.transferring:
+        while not scheduler.requests_in(State.TRANSFERRING):
             await anyio.sleep(0.005)
 
 

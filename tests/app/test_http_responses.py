@@ -12,7 +12,8 @@ import anyio
 import pytest
 from kvfence.app.http_api import build_app
 from kvfence.scheduler.errors import RequestError
-from kvfence.scheduler.handle import OutputDelta, RequestHandle
+from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.output import OutputDelta
 from test_http_api import (
     CHAT,
     COMPLETIONS,

@@ -11,6 +11,7 @@ from kvfence.app.readiness import ReadinessCanary
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.request import State
 
 
 @pytest.mark.anyio
@@ -67,12 +68,12 @@ async def test_canary_passes_under_a_saturating_load(tiny: Checkpoint, mode: str
         params = SamplingParams(temperature=0, max_tokens=110, ignore_eos=True)
         handles = [s.submit([5 + i, 6, 7, 8, 9, 10, 11, 12], params) for i in range(9)]
         with anyio.fail_after(10):
-            while s.decode.ledger.num_free > 2:  # the running requests grew to fill the pool
+            while s.ledger("decode").num_free > 2:  # the running requests grew to fill the pool
                 await anyio.sleep(0.002)
         for _ in range(3):
-            assert s.queue and s.decoding  # saturated: requests are waiting for slots or pages
+            assert s.requests_in(State.WAITING) and s.requests_in(State.DECODING)  # saturated: requests are waiting for slots or pages
             assert await canary.check_once(), canary.last_failure
-            assert s.queue  # it did not wait its turn behind them
+            assert s.requests_in(State.WAITING)  # it did not wait its turn behind them
         assert canary.passed and "kvfence_ready 1.0" in s.metrics.render()[0].decode()
         for h in handles:
             h.abort()

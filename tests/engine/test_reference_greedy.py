@@ -11,7 +11,7 @@ import torch
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
-from kvfence.engine.offline import GenerationOutput, OfflineEngine
+from kvfence.scheduler.offline import GenerationOutput, OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 

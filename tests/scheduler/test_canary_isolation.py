@@ -100,7 +100,7 @@ async def test_b_never_sees_a_canary(smollm2: Checkpoint, transport: str, faults
         if faults:  # every fault of the plan really fired during the load
             assert set(s.link.sender.injected) == FaultPlan.parse(faults).kinds(), s.link.sender.injected
         # back to baseline, but for what an unacknowledged cancel keeps quarantined (`stuck` only)
-        held = {"prefill": s.prefill.ledger.num_quarantined, "decode": s.decode.ledger.num_quarantined}
+        held = {"prefill": s.ledger("prefill").num_quarantined, "decode": s.ledger("decode").num_quarantined}
         assert s.pages_in_use() == held
         # `stuck` is a sender whose cancel is never acknowledged: both ends stay quarantined
         assert bool(held["decode"]) == bool(held["prefill"]) == ("stuck" in faults)

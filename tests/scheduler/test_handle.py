@@ -7,7 +7,8 @@ import anyio
 import pytest
 
 from kvfence.scheduler.errors import RequestError
-from kvfence.scheduler.handle import OutputDelta, RequestHandle
+from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.output import OutputDelta
 
 
 def handle() -> RequestHandle:

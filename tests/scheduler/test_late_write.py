@@ -77,7 +77,7 @@ async def test_a_write_that_lands_after_the_timeout_lands_in_quarantined_pages_t
         assert deltas[-1].error is not None and deltas[-1].error.code == "kv_transfer_failed"
         assert not any(d.token_ids for d in deltas)  # no token of a transfer that failed
         assert plane.held and plane.held[0].inner is None  # the write is still held: not yet posted
-        decode, prefill = s.scheduler.decode.ledger, s.scheduler.prefill.ledger
+        decode, prefill = s.scheduler.ledger("decode"), s.scheduler.ledger("prefill")
         assert decode.num_quarantined == 3 and prefill.num_quarantined == 3  # both ends, while it may land
         (dst_lease,), (src_lease,) = decode.quarantined_leases(), prefill.quarantined_leases()
         dst, src = decode.quarantined_pages(dst_lease), prefill.quarantined_pages(src_lease)

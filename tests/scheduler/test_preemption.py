@@ -9,6 +9,7 @@ where it stopped (its output equals the one it produces alone), and every page c
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -19,14 +20,15 @@ from serving_harness import start_serving, wait_idle
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import POISON_VALUE, KVPool
 from kvfence.engine.llama import LlamaModel
-from kvfence.engine.offline import OfflineEngine
+from kvfence.scheduler.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.core import Scheduler
+from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.ids import mint_id
+from kvfence.scheduler.request import State
 
 PAGE = 4
 CONTEXT = 96
@@ -101,7 +103,7 @@ async def test_requests_without_max_tokens_run_at_once(tiny: Checkpoint, mode: s
     s = serving.scheduler
     ps = prompts(16, seed=1)
     handles = [s.submit(p, SamplingParams(temperature=0)) for p in ps]  # no max_tokens
-    assert not s.queue and len(s.prefilling) + len(s.transferring) + len(s.decoding) == 16
+    assert not s.requests_in(State.WAITING) and s.core.num_running() == 16
     assert s.pages_in_use()["colocated" if mode == "colocated" else "decode"] == sum(
         -(-(len(p) + 1) // PAGE) for p in ps)
     with anyio.fail_after(60):
@@ -119,11 +121,11 @@ async def test_preempted_streams_continue_exactly(tiny: Checkpoint, mode: str,
     mid-generation, the newest running requests are preempted (released, recomputed from prompt +
     what they generated), and every stream equals the request's solo output token for token and
     character for character: nothing duplicated, nothing lost. Every page comes back."""
-    serving = await start_serving(task_group, tiny, mode, config(mode), num_pages=30)
-    s = serving.scheduler
     ps = prompts(6, seed=2)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = [solo(tiny, p, params) for p in ps]
+    want = [solo(tiny, p, params) for p in ps]  # before serving: it blocks the event loop the endpoints ping on
+    serving = await start_serving(task_group, tiny, mode, config(mode), num_pages=30)
+    s = serving.scheduler
     results = await run_all(s, ps, params)
     for (ids, text, reason, error), (want_ids, want_text, want_reason) in zip(results, want):
         assert error is None and reason == want_reason == "length"
@@ -203,14 +205,14 @@ async def test_priority_request_runs_ahead_of_a_saturated_queue(tiny: Checkpoint
     with pytest.raises(AdmissionRejected):
         s.submit([5, 6, 7], params)  # the queue is full
     with anyio.fail_after(10):
-        while s.decode.ledger.num_free > 1:  # until the running requests have grown to fill the pool
+        while s.ledger("decode").num_free > 1:  # until the running requests have grown to fill the pool
             await anyio.sleep(0.002)
     canary = [9, 10, 11, 12, 13]
     canary_params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with anyio.fail_after(10):
         ids, text, reason, error = await collect(s.submit_priority(canary, canary_params))
     assert (ids, text, reason) == solo(tiny, canary, canary_params) and error is None
-    assert s.queue  # it went ahead of requests that are still waiting
+    assert s.requests_in(State.WAITING)  # it went ahead of requests that are still waiting
     with anyio.fail_after(60):
         outs = [await collect(h) for h in handles]
     for (ids, text, reason, error), p in zip(outs, ps):
@@ -225,8 +227,9 @@ def quarantine_pages(s: Scheduler, num_pages: int) -> int:
     """Quarantine `num_pages` free decode pages under a lease of their own, as a transfer that
     timed out with its cancellation unacknowledged leaves them."""
     lease = mint_id()
-    assert s.decode.ledger.reserve(lease, num_pages) is not None
-    s.decode.quarantine(lease)
+    table = s.core.decode.table
+    assert table.reserve(lease, num_pages) is not None
+    table.quarantine(lease, time.monotonic())
     return lease
 
 
@@ -253,8 +256,8 @@ async def test_admission_counts_only_pages_that_can_still_become_free(tiny: Chec
     short = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # 14 pages
     ids, _, reason, error = await collect(s.submit(list(range(3, 19)), short))
     assert reason == "length" and error is None and len(ids) == 40
-    returned = s.decode.confirm_quiet(lease)
-    assert len(returned) == 8 and s.decode.ledger.num_quarantined == 0
+    returned = s.confirm_quiet("decode", lease)
+    assert len(returned) == 8 and s.ledger("decode").num_quarantined == 0
     ids, _, reason, error = await collect(s.submit(list(range(3, 19)), long_params))
     assert reason == "length" and error is None and len(ids) == CONTEXT - 16
     await wait_idle(s)
@@ -272,13 +275,13 @@ async def test_a_queued_request_that_can_no_longer_fit_ends_at_once(tiny: Checkp
     params = SamplingParams(temperature=0, max_tokens=CONTEXT - 16, ignore_eos=True)  # 24 pages in all
     running = s.submit(list(range(3, 19)), params)
     queued = s.submit(list(range(20, 36)), params)
-    lease = quarantine_pages(s, s.decode.ledger.num_free)  # all but the running request's 5 pages
+    lease = quarantine_pages(s, s.ledger("decode").num_free)  # all but the running request's 5 pages
     with anyio.fail_after(10):
         r_ids, _, r_reason, r_error = await collect(running)
         q_ids, _, q_reason, q_error = await collect(queued)
     assert (q_ids, q_reason, q_error) == ([], None, "kv_pages_quarantined")
     assert r_reason is None and r_error == "kv_pages_quarantined" and len(r_ids) < CONTEXT - 16
-    s.decode.confirm_quiet(lease)
+    s.confirm_quiet("decode", lease)
     await wait_idle(s)
 
 
@@ -287,7 +290,7 @@ async def test_a_queued_request_that_can_no_longer_fit_ends_at_once(tiny: Checkp
 async def test_confirm_quiet_returns_a_timed_out_transfers_pages_scrubbed(tiny: Checkpoint, transport: str,
                                                                          task_group: anyio.abc.TaskGroup) -> None:
     """A transfer whose cancellation was never acknowledged leaves its decode pages quarantined;
-    when its writes are known to be terminal, WorkerPool.confirm_quiet frees them through the
+    when its writes are known to be terminal, confirm_quiet frees them through the
     release path: the decode worker untags and scrubs them in its next message, and they serve
     the next request."""
     serving = await start_serving(task_group, tiny, transport, config(transport, transfer_timeout_s=0.5),
@@ -301,14 +304,16 @@ async def test_confirm_quiet_returns_a_timed_out_transfers_pages_scrubbed(tiny: 
     with anyio.fail_after(10):
         _, _, _, error = await collect(s.submit(prompt, params))
     assert error == "kv_transfer_failed"
-    (lease,) = s.decode.ledger.quarantined_leases()
-    pages = s.decode.ledger.quarantined_pages(lease)
+    (lease,) = s.ledger("decode").quarantined_leases()
+    pages = s.ledger("decode").quarantined_pages(lease)
     assert pages and all(decode_worker.pool.owner(p) == lease for p in pages)
-    assert s.decode.confirm_quiet(lease) == pages
-    assert s.decode.confirm_quiet(lease) == []  # once
-    for other in s.prefill.ledger.quarantined_leases():  # the source side, if its sender did not acknowledge either
-        s.prefill.confirm_quiet(other)
-    await s._send(s.decode, [])  # the next message to the decode worker applies the release
+    assert s.confirm_quiet("decode", lease) == pages
+    assert s.confirm_quiet("decode", lease) == []  # once
+    for other in s.ledger("prefill").quarantined_leases():  # the source side, if its sender did not acknowledge either
+        s.confirm_quiet("prefill", other)
+    with anyio.fail_after(5):  # the next message to the decode worker (sent at once: it is idle) applies the release
+        while s.core.decode.in_flight is not None or s.core.decode.table.has_pending:
+            await anyio.sleep(0.005)
     assert all(decode_worker.pool.owner(p) == 0 for p in pages)
     assert bool((decode_worker.pool.data[pages] == POISON_VALUE).all())
     ids, _, reason, error = await collect(s.submit(prompt, params))

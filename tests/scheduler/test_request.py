@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import anyio
 import pytest
 
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.errors import RequestError
-from kvfence.scheduler.handle import OutputDelta, RequestHandle
+from kvfence.scheduler.output import OutputDelta
 from kvfence.scheduler.request import IllegalTransition, Request, State
 
 
-class _Detok:  # the lifecycle never touches text
+class _Output:  # the lifecycle never touches text
     pass
 
 
 def make_request() -> Request:
-    handle = RequestHandle("r1", [1, 2], on_abort=lambda: None)
-    return Request("r1", [1, 2], SamplingParams(), 4, handle, detok=_Detok(), stops=_Detok(),  # type: ignore[arg-type]
-                   tokens=[1, 2])
+    return Request("r1", [1, 2], SamplingParams(), 4, _Output(), 0.0, tokens=[1, 2])  # type: ignore[arg-type]
 
 
-def drain(req: Request) -> list[OutputDelta]:
-    async def run() -> list[OutputDelta]:
-        return [d async for d in req.handle.deltas()]
-    return anyio.run(run)
+def sent(*deltas: OutputDelta | None) -> list[OutputDelta]:
+    """What the request's reader gets: the deltas its transitions returned."""
+    return [d for d in deltas if d is not None]
 
 
 def test_legal_path_and_illegal_jumps() -> None:
@@ -36,19 +32,23 @@ def test_legal_path_and_illegal_jumps() -> None:
     with pytest.raises(IllegalTransition):
         req.advance(State.PREFILLING)  # no going back
     req.advance(State.DECODING)
-    assert req.finish("length")
+    finished = req.finish(OutputDelta("", [], finish_reason="length"))
+    assert finished is not None
     assert req.state is State.FINISHED
-    assert [d.finish_reason for d in drain(req)] == ["length"]
+    assert [d.finish_reason for d in sent(finished)] == ["length"]
 
 
 def test_abort_then_late_finish_stays_aborted() -> None:
     req = make_request()
     req.advance(State.PREFILLING)
-    assert req.fail(RequestError(499, "client_closed", "gone"), aborted=True)
-    assert not req.finish("length")  # a late "finished" is ignored
-    assert not req.fail(RequestError(500, "worker_error", "late"))
+    aborted = req.fail(RequestError(499, "client_closed", "gone"))
+    assert aborted is not None
+    late_finish = req.finish(OutputDelta("", [], finish_reason="length"))
+    assert late_finish is None  # a late "finished" is ignored
+    late_fail = req.fail(RequestError(500, "worker_error", "late"))
+    assert late_fail is None
     assert req.state is State.ABORTED
-    deltas = drain(req)
+    deltas = sent(aborted, late_finish, late_fail)
     assert len(deltas) == 1 and deltas[0].error is not None and deltas[0].finish_reason is None
 
 
@@ -56,10 +56,11 @@ def test_finish_then_late_abort_stays_finished() -> None:
     req = make_request()
     req.advance(State.PREFILLING)
     req.advance(State.DECODING)
-    assert req.finish("stop", "tail", [7])
-    assert not req.fail(RequestError(499, "client_closed", "gone"), aborted=True)
+    finished = req.finish(OutputDelta("tail", [7], finish_reason="stop"))
+    late_abort = req.fail(RequestError(499, "client_closed", "gone"))
+    assert finished is not None and late_abort is None
     assert req.state is State.FINISHED
-    (delta,) = drain(req)
+    (delta,) = sent(finished, late_abort)
     assert (delta.text, delta.token_ids, delta.finish_reason, delta.error) == ("tail", [7], "stop", None)
 
 
@@ -69,11 +70,11 @@ def test_preempted_request_goes_back_to_waiting_to_prefill_what_it_has() -> None
     req.advance(State.DECODING)
     req.tokens += [7, 8]  # generated
     req.decode_pages, req.prefilled = [3, 4], 2
-    req.requeue()
+    req.requeue(1.0)
     assert req.state is State.WAITING and req.preemptions == 1
     assert req.prefill_target == 4 and req.prefilled == 0 and req.decode_pages == []
     assert req.num_generated == 2  # what was sent stays sent
     req.advance(State.PREFILLING)
     req.advance(State.TRANSFERRING)
     with pytest.raises(IllegalTransition):
-        req.requeue()  # a transfer's pages are never taken back
+        req.requeue(2.0)  # a transfer's pages are never taken back

@@ -17,12 +17,12 @@ from serving_harness import assert_baseline, start_serving, wait_idle
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
-from kvfence.engine.offline import OfflineEngine
+from kvfence.scheduler.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.core import Scheduler
+from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.ids import mint_id
@@ -159,15 +159,29 @@ async def test_foreign_page_tag_fails_only_that_request(harness: Harness, tiny: 
     ps = prompts(2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = offline_greedy(tiny, ps, 8)
-    good = s.submit(ps[0], params)
-    bad = s.submit(ps[1], params)
-    side = s.prefill if pool == "prefill" else s.decode
-    # The grant for the second request tags its first page with a stranger's lease.
-    grant = side.grants[-1]
-    stranger = id_hex(mint_id())
-    side.grants[-1] = type(grant)(stranger, grant.pages[:1])
-    side.grants.append(type(grant)(grant.lease, grant.pages[1:]))
-    good_out, bad_out = await collect(good), await collect(bad)
+    table = (s.core.prefill if pool == "prefill" else s.core.decode).table
+    take, leases = table.take_pending, []
+
+    def corrupted():  # type: ignore[no-untyped-def]
+        """The first grant to the second request's lease tags its first page with a stranger's lease."""
+        number, grants, released, landed = take()
+        out = []
+        for grant in grants:
+            if grant.lease not in leases:
+                leases.append(grant.lease)
+                if len(leases) == 2:
+                    out += [type(grant)(id_hex(mint_id()), grant.pages[:1]), type(grant)(grant.lease, grant.pages[1:])]
+                    continue
+            out.append(grant)
+        return number, out, released, landed
+
+    table.take_pending = corrupted  # type: ignore[method-assign]
+    try:
+        good = s.submit(ps[0], params)
+        bad = s.submit(ps[1], params)
+        good_out, bad_out = await collect(good), await collect(bad)
+    finally:
+        del table.take_pending
     assert good_out[0] == want[0][0] and good_out[2] == "length"
     ids, text, reason, error = bad_out
     assert error == "kv_integrity_error" and reason is None
@@ -187,9 +201,9 @@ async def test_queued_request_ends_at_its_deadline(tiny: Checkpoint) -> None:
         s = serving.scheduler
         running = s.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=CONTEXT - 4, ignore_eos=True))
         queued = s.submit([8, 9], SamplingParams(temperature=0, max_tokens=4))
-        s.expire_queued(time.monotonic() + 1)  # not yet due
+        s.tick(time.monotonic() + 1)  # not yet due
         assert s.in_flight() == 2
-        s.expire_queued(time.monotonic() + 31)  # as if 31 s passed: the queued request ends
+        s.tick(time.monotonic() + 31)  # as if 31 s passed: the queued request ends
         with anyio.fail_after(10):
             _, _, reason, error = await collect(queued)
         assert reason is None and error == "overloaded"
@@ -240,7 +254,7 @@ async def test_the_incident_prompt_over_the_prefill_pool_is_refused_at_admission
         assert info.value.status == 400 and info.value.code == "context_length_exceeded"
         assert info.value.param == "messages" and "32 (prefill)" in info.value.message
         assert s.in_flight() == 0 and s.pages_in_use() == {"prefill": 0, "decode": 0}
-        assert not s.prefill.grants and not s.decode.grants  # no page was ever handed out
+        assert not any(w.table.has_pending for w in s.core.workers)  # no page was ever handed out
         for w in serving.workers:
             assert not w.pool.owner_tags.any()  # and no page was ever tagged
         assert s.metrics.transfers.labels("ok")._value.get() == 0
@@ -261,7 +275,7 @@ async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed
     s = harness.scheduler
     if not s.config.disaggregated:
         pytest.skip("colocated requests have no transfer")
-    from kvfence.scheduler import core
+    from kvfence.scheduler import lease_table
     from kvfence.scheduler.messages import Landing
 
     short = [True]
@@ -269,7 +283,7 @@ async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed
     def landing(lease: str, pages: list[int], num_tokens: int) -> Landing:
         return Landing(lease, pages, num_tokens - 1 if short[0] else num_tokens)
 
-    monkeypatch.setattr(core, "Landing", landing)
+    monkeypatch.setattr(lease_table, "Landing", landing)
     ps = prompts(2)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ids, _, reason, error = await collect(s.submit(ps[0], params))

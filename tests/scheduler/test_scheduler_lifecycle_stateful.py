@@ -28,7 +28,8 @@ from serving_harness import start_serving_over
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.handle import OutputDelta, RequestHandle
+from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.output import OutputDelta
 from kvfence.scheduler.page_ledger import PageLedger
 from kvfence.transports.data_plane import WriteState
 from kvfence.transports.peer_auth import DeploymentSecret
@@ -116,7 +117,7 @@ class SchedulerLifecycle(RuleBasedStateMachine):
             self.serving = await start_serving_over(
                 tg, tiny, CONFIG, NUM_PAGES, PlaneTransport(self.plane, secret, cancel_ack_timeout_s=0.05),
                 PlaneTransport(WrappedNixlPlane(), secret, cancel_ack_timeout_s=0.05), secret)
-            self.plane.decode_ledger = self.serving.scheduler.decode.ledger
+            self.plane.decode_ledger = self.serving.scheduler.ledger("decode")
             self.plane.page_nbytes = self.serving.workers[1].pool.page_nbytes
             task_status.started()
             await self._done.wait()
@@ -164,12 +165,12 @@ class SchedulerLifecycle(RuleBasedStateMachine):
     @invariant()
     def ledgers_account_for_every_page(self) -> None:
         s = self.serving.scheduler
-        self.portal.call(lambda: (s.prefill.ledger.check_integrity(), s.decode.ledger.check_integrity()))
+        self.portal.call(lambda: (s.ledger("prefill").check_integrity(), s.ledger("decode").check_integrity()))
 
     @invariant()
     def a_write_that_may_land_aims_only_at_its_leases_pages(self) -> None:
         def check() -> None:
-            ledger = self.serving.scheduler.decode.ledger
+            ledger = self.serving.scheduler.ledger("decode")
             for h in self.plane.in_flight():
                 for page in h.dst_pages:
                     assert owner(ledger, page) == h.lease, \
@@ -197,8 +198,8 @@ class SchedulerLifecycle(RuleBasedStateMachine):
     async def _drain(self) -> None:
         s = self.serving.scheduler
         with anyio.fail_after(20):
-            while s.in_flight() or self.plane.in_flight() or s.decode.ledger.num_quarantined \
-                    or s.prefill.ledger.num_quarantined or not all(self._ended(st) for st in self.streams):
+            while s.in_flight() or self.plane.in_flight() or s.ledger("decode").num_quarantined \
+                    or s.ledger("prefill").num_quarantined or not all(self._ended(st) for st in self.streams):
                 for h in self.plane.held:
                     h.decision = h.decision or "land"
                 await anyio.sleep(0.02)

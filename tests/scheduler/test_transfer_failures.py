@@ -14,6 +14,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.request import State
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
@@ -88,12 +89,12 @@ async def test_an_unacknowledged_cancel_keeps_the_pages_quarantined(tiny: Checkp
         with anyio.fail_after(10):
             ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
         assert (ids, reason, error) == ([], None, "kv_transfer_failed")
-        decode = s.scheduler.decode.ledger
+        decode = s.scheduler.ledger("decode")
         stuck = decode.num_quarantined
         assert stuck == 3  # what it held: pages for its 9 prompt tokens and its first token, at 4 per page
         # the sender never acknowledged either: a posted write may still read the source pages,
         # so the prompt's prefill pages stay quarantined too (FAILURES 9)
-        assert s.scheduler.prefill.ledger.num_quarantined == 3
+        assert s.scheduler.ledger("prefill").num_quarantined == 3
         assert s.scheduler.pages_in_use() == {"prefill": 3, "decode": stuck}
         s.scheduler.refresh_metrics()
         text = s.scheduler.metrics.render()[0].decode()
@@ -130,12 +131,12 @@ async def test_source_pages_stay_reserved_while_the_transfer_reads_them(tiny: Ch
         s = await serve(tg, tiny, transport, "delay=0.3#1")
         first = s.scheduler.submit(PROMPT, GREEDY)
         await until_transferring(s.scheduler)
-        (req,) = s.scheduler.transferring
-        ledger = s.scheduler.prefill.ledger
+        (req,) = s.scheduler.requests_in(State.TRANSFERRING)
+        ledger = s.scheduler.ledger("prefill")
         reading = ledger.pages(req.prefill_lease)
         assert reading and set(reading) == set(req.prefill_pages[:len(reading)])
         second = s.scheduler.submit(PROMPT[::-1], GREEDY)
-        others = [r for r in s.scheduler.prefilling if r is not req]
+        others = [r for r in s.scheduler.requests_in(State.PREFILLING) if r is not req]
         assert others and not set(others[0].prefill_pages) & set(reading)
         assert (await outcome(first))[1] == "length" and (await outcome(second))[1] == "length"
         await wait_idle(s.scheduler)
@@ -158,7 +159,7 @@ async def test_client_gone_during_a_transfer_that_never_quiets(tiny: Checkpoint,
         with anyio.fail_after(10):
             while s.scheduler.in_flight():
                 await anyio.sleep(0.01)
-        held = s.scheduler.decode.ledger.num_quarantined
+        held = s.scheduler.ledger("decode").num_quarantined
         # the sender's cancel was not acknowledged either: the source pages stay out too (FAILURES 9)
         assert held == 3 and s.scheduler.pages_in_use() == {"prefill": 3, "decode": held}
         await s.aclose()

@@ -51,10 +51,10 @@ async def test_decode_side_restart_fails_its_requests_with_503_and_new_ones_are_
         want, _, _, _ = await rest(sched.submit(PROMPT, SHORT))
         await wait_idle(s.scheduler)
         # restart the decode (or the only) worker after 3 tokens
-        ids, reason, status, code = await rest(sched.submit(PROMPT * 2, LONG), 3, sched.decode.channel)
+        ids, reason, status, code = await rest(sched.submit(PROMPT * 2, LONG), 3, sched.decode_channel)
         assert (reason, status, code) == (None, 503, "worker_restarted")  # never `length` with a 200
         assert 3 <= len(ids) < 60
-        assert sched.metrics.worker_restarts.labels(sched.decode.role)._value.get() == 1
+        assert sched.metrics.worker_restarts.labels(sched.decode_channel.role)._value.get() == 1
         await wait_idle(s.scheduler)
         # The new incarnation serves new requests exactly.
         with anyio.fail_after(30):
@@ -72,7 +72,7 @@ async def test_prefill_restart_spares_requests_that_already_moved_to_decode(tiny
         want, _, _, _ = await rest(sched.submit(PROMPT * 2, LONG))
         await wait_idle(s.scheduler)
         # restarted once decoding, when it holds decode pages only
-        ids, reason, status, _ = await rest(sched.submit(PROMPT * 2, LONG), 2, sched.prefill.channel)
+        ids, reason, status, _ = await rest(sched.submit(PROMPT * 2, LONG), 2, sched.prefill_channel)
         assert (ids, reason, status) == (want, "length", None)
         with anyio.fail_after(5):
             while not sched.metrics.worker_restarts.labels("prefill")._value.get():
@@ -95,7 +95,7 @@ async def test_a_decode_restart_while_its_transfer_is_in_flight_fails_it_with_50
         want, _, _, _ = await rest(sched.submit(PROMPT, SHORT))
         handle = sched.submit(PROMPT, SHORT)
         await until_transferring(sched)
-        await sched.decode.channel.restart()
+        await sched.decode_channel.restart()
         with anyio.fail_after(10):
             assert await rest(handle) == ([], None, 503, "worker_restarted")
         await wait_idle(sched)

@@ -1,0 +1,63 @@
+"""What a request sends its client: text out of tokens, stop checks and finish reasons.
+
+One module for the server's scheduler core and the offline engine, so both end a request the
+same way: an EOS id (unless `ignore_eos`) or a stop token id ends it with "stop" and its text is
+flushed; a stop string ends it with "stop" and is cut from the text (OpenAI semantics); reaching
+`max_tokens` ends it with "length" (or "stop" when the flushed tail completes a stop string).
+
+Plain Python (no I/O, no clock): `OutputDelta` is what travels to the reader of a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvfence.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.scheduler.errors import RequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputDelta:
+    """New output of one request. The last delta has `finish_reason` set ("stop" or "length"),
+    or `error` set when the request failed after admission (never both)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: RequestError | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class TextOutput:
+    """The output state of one request: its detokenizer, its stop matcher and its token count.
+
+    It outlives a preemption (the next attempt's tokens continue the same stream)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams, max_tokens: int) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt)
+        self._stops = StopStringMatcher(params.stop)
+        self._stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(tokenizer.eos_token_ids))
+        self.max_tokens = max_tokens
+        self.num_generated = 0
+
+    def accept(self, token: int) -> OutputDelta:
+        """The delta `token` produces; terminal when it ends the request."""
+        self.num_generated += 1
+        if token in self._stop_ids:
+            text = self._stops.push(self._detok.flush())[0] + self._stops.flush()
+            return OutputDelta(text, [token], finish_reason="stop")
+        text, matched = self._stops.push(self._detok.push(token))
+        if matched:
+            return OutputDelta(text, [token], finish_reason="stop")
+        if self.num_generated < self.max_tokens:
+            return OutputDelta(text, [token])
+        text += self._stops.push(self._detok.flush())[0]
+        if self._stops.matched:
+            return OutputDelta(text, [token], finish_reason="stop")
+        return OutputDelta(text + self._stops.flush(), [token], finish_reason="length")

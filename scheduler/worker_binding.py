@@ -1,0 +1,54 @@
+"""The scheduler core's view of one worker: its name, the lease table of its KV pool, the worker
+incarnation the core believes in, and the one step it may have in flight.
+
+A worker serves one role ("prefill", "decode") or both ("colocated": one worker bound to both
+roles, one pool, one lease table). Every message to the worker carries the incarnation the core
+believes in; a worker that restarted refuses a message built for an earlier one before applying
+any of it, and every reply names the worker's current incarnation, so the core learns of a
+restart from the first reply after it (`restarted`). Plain Python: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from kvfence.scheduler.lease_table import LeaseTable
+from kvfence.scheduler.messages import SeqStep, WorkerReply
+
+if TYPE_CHECKING:
+    from kvfence.scheduler.request import Request
+
+
+@dataclasses.dataclass
+class Step:
+    """A message in flight to a worker: which requests it steps, in the order of its seqs."""
+
+    number: int  # the lease table's message number
+    decodes: list[Request]
+    chunks: list[tuple[Request, SeqStep]]
+    seqs: list[SeqStep]
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.decodes + [r for r, _ in self.chunks]
+
+
+class WorkerBinding:
+    def __init__(self, name: str, num_pages: int) -> None:
+        self.name = name
+        self.table = LeaseTable(num_pages)
+        self.incarnation = ""  # learned from the first reply
+        self.in_flight: Step | None = None
+        self.last_sent_s = float("-inf")  # when the last message was built (the caller's clock)
+
+    @property
+    def ledger(self):  # type: ignore[no-untyped-def]
+        return self.table.ledger
+
+    def restarted(self, reply: WorkerReply) -> bool:
+        """Adopt the reply's incarnation; True when it replaces a known, different one."""
+        if not reply.incarnation or reply.incarnation == self.incarnation:
+            return False
+        known, self.incarnation = self.incarnation, reply.incarnation
+        return bool(known)

@@ -1,0 +1,405 @@
+"""An exhaustive, bounded explorer of the real scheduler core (scheduler/core.py), its lease tables
+and the transport receiver's state machine (transports/receiver_state.py).
+
+A `World` is the core plus what stands around it, kept as small models of what they do to pages:
+each worker applies a message's releases, then its grants, then checks and writes the pages of
+every sequence it runs; the transport arms the real `ReceiverState`, and a transfer lands, fails
+quietly, or fails loud (its cancellation unacknowledged) and may then write late until it is
+reported quiet. `explore` runs a breadth-first search over every interleaving of the events a
+state enables (submit, abort, step reply, failed step, worker restart, transfer success, quiet
+failure, loud failure, late write, quiet, tick), within budgets of each, deduplicating states, and
+checks the invariants of BRIEF.md after every event:
+
+- the ledgers account for every page, and no page is held by two leases;
+- no step reads or writes a page whose tag is not the reader's lease, nor reads a slot its lease
+  did not write (a decode before its KV landed);
+- nothing is freed while a write may land or a posted write may read it: every page a transfer can
+  still touch is held by its lease, owned or quarantined;
+- terminal states are monotone: one terminal delta per request, nothing after it, and no token of a
+  disaggregated request before its KV landed;
+- once no event is enabled, every request is terminal and every page is free and untagged.
+
+BFS finds the shortest event trace that breaks an invariant; `Violation` carries it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.scheduler.actions import Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
+from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core import SchedulerCore
+from kvfence.scheduler.errors import AdmissionRejected
+from kvfence.scheduler.messages import RunStep, StepDone, StepFailed, WorkerReply, id_from_hex, id_hex
+from kvfence.scheduler.metrics import SchedulerMetrics
+from kvfence.scheduler.worker_binding import WorkerBinding
+from kvfence.transports.base import TransferManifest
+from kvfence.transports.receiver_state import ReceiverState
+
+TOKEN = 7  # the token every step samples (never an EOS id of the tiny tokenizer)
+
+
+class Violation(AssertionError):
+    def __init__(self, what: str, trace: list[str]) -> None:
+        super().__init__(f"{what}\nshortest trace ({len(trace)} events):\n  " + "\n  ".join(trace))
+        self.what = what
+        self.trace = trace
+
+
+class Broken(Exception):
+    """An invariant broke inside an event (the explorer adds the trace)."""
+
+
+@dataclasses.dataclass
+class Budget:
+    """How many of each event one path may contain."""
+
+    requests: int = 2
+    aborts: int = 1
+    restarts: int = 1
+    failed_steps: int = 0
+    ticks: int = 1
+    transfer_faults: int = 1  # quiet or loud failures, in all
+
+
+@dataclasses.dataclass
+class SimWorker:
+    """What a worker does to its pool's pages: owner tags and who last wrote each token slot."""
+
+    name: str
+    page_size: int
+    incarnation: int = 1
+    tags: dict[int, int] = dataclasses.field(default_factory=dict)  # page -> lease (absent: free)
+    slots: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (page, slot) -> writer lease
+    message: RunStep | None = None  # the step in flight
+
+    def inc(self) -> str:
+        return f"{self.name}-{self.incarnation}"
+
+    def run(self, msg: RunStep, fail: bool = False) -> WorkerReply:
+        """Apply `msg` as engine/worker.py does; `fail`: its forward fails after the tag changes
+        were applied (a worker that cannot apply them restarts instead)."""
+        if msg.incarnation and msg.incarnation != self.inc():
+            return StepFailed(msg.step_id, "restarted", self.inc(), stale_incarnation=True)
+        for page in msg.released:
+            self.tags.pop(page, None)
+            for slot in range(self.page_size):
+                self.slots.pop((page, slot), None)
+        for grant in msg.grants:
+            for page in grant.pages:
+                self.tags[page] = id_from_hex(grant.lease)
+        for landing in msg.landed:  # the sanitizer learns who wrote a landed transfer
+            self.write(id_from_hex(landing.lease), landing.pages, 0, landing.num_tokens)
+        if fail:
+            return StepFailed(msg.step_id, "injected", self.inc())
+        tokens: list[int | None] = []
+        for seq in msg.seqs:
+            lease = id_from_hex(seq.lease)
+            end = seq.context_tokens + len(seq.token_ids)
+            for pos in range(end):
+                page = seq.page_table[pos // self.page_size]
+                if self.tags.get(page) != lease:
+                    raise Broken(f"{self.name} worker: seq of lease {seq.lease[-6:]} touches page {page} tagged "
+                                 f"{id_hex(self.tags.get(page, 0))[-6:]}")
+                if pos < seq.context_tokens and self.slots.get((page, pos % self.page_size)) != lease:
+                    raise Broken(f"{self.name} worker: lease {seq.lease[-6:]} reads token {pos} (page {page}) "
+                                 f"that it did not write")
+            self.write(lease, seq.page_table, seq.context_tokens, end)
+            tokens.append(TOKEN if seq.sampling is not None else None)
+        return StepDone(msg.step_id, tokens, incarnation=self.inc())
+
+    def write(self, lease: int, pages: list[int], start: int, end: int) -> None:
+        for pos in range(start, end):
+            self.slots[(pages[pos // self.page_size], pos % self.page_size)] = lease
+
+
+@dataclasses.dataclass
+class Transfer:
+    start: StartTransfer
+    manifest: TransferManifest
+    loud: bool = False  # failed with its cancellation unacknowledged: a write may still land
+    watched: bool = False
+
+
+class World:
+    """The core and its surroundings; `events()` lists what may happen next."""
+
+    def __init__(self, tokenizer: Tokenizer, config: SchedulerConfig, pages: int, prompts: list[list[int]],
+                 params: SamplingParams, budget: Budget) -> None:
+        ids = itertools.count(1)
+        self.config = config
+        self.prefill = WorkerBinding("prefill" if config.disaggregated else "colocated", pages)
+        self.decode = WorkerBinding("decode", pages) if config.disaggregated else self.prefill
+        self.core = SchedulerCore(config, tokenizer, self.prefill, self.decode, SchedulerMetrics(),
+                                  mint=lambda: next(ids) << 64 | 0xABC)
+        self.sims = {w.name: SimWorker(w.name, config.page_size_tokens) for w in self.core.workers}
+        self.receiver = ReceiverState(pages, 1, "none")
+        self.prompts, self.params, self.budget = prompts, params, dataclasses.replace(budget)
+        self.now = 0.0
+        self.submitted: list[str | None] = []  # request ids, in submission order (None: refused)
+        self.deltas: dict[str, list[Emit]] = {}
+        self.landed: set[str] = set()  # requests whose KV transfer succeeded
+        self.transfers: dict[int, Transfer] = {}
+        self._transfer_ids = itertools.count(1)
+
+    # ---- events ----
+
+    def events(self) -> list[tuple[str, Callable[[], None]]]:
+        out: list[tuple[str, Callable[[], None]]] = []
+        if len(self.submitted) < len(self.prompts):
+            out.append((f"submit r{len(self.submitted)}", self.submit))
+        if self.budget.aborts:
+            for i, rid in enumerate(self.submitted):
+                if rid is not None and self.core.request(rid) is not None:
+                    out.append((f"abort r{i}", lambda rid=rid: self.abort(rid)))
+        for name, sim in self.sims.items():
+            if sim.message is not None:
+                out.append((f"reply {name}", lambda name=name: self.reply(name)))
+                if self.budget.failed_steps:
+                    out.append((f"fail step {name}", lambda name=name: self.reply(name, fail=True)))
+            if self.budget.restarts:
+                out.append((f"restart {name}", lambda name=name: self.restart(name)))
+        for key, t in self.transfers.items():
+            if not t.loud:
+                out.append((f"transfer {key} lands", lambda key=key: self.land(key)))
+                if self.budget.transfer_faults:
+                    out.append((f"transfer {key} fails quietly", lambda key=key: self.fail(key, loud=False)))
+                    out.append((f"transfer {key} times out, cancel unacknowledged",
+                                lambda key=key: self.fail(key, loud=True)))
+            else:
+                out.append((f"transfer {key} writes late", lambda key=key: self.late_write(key)))
+                if t.watched:
+                    out.append((f"transfer {key} is quiet", lambda key=key: self.quiet(key)))
+        if self.budget.ticks and self.core.queue:
+            out.append(("tick past the queue deadline", self.tick))
+        return out
+
+    def submit(self) -> None:
+        try:
+            self.submitted.append(self.core.submit(self.prompts[len(self.submitted)], self.params, self.now).request_id)
+        except AdmissionRejected:
+            self.submitted.append(None)
+
+    def abort(self, request_id: str) -> None:
+        self.budget.aborts -= 1
+        self.core.abort(request_id, self.now)
+
+    def reply(self, name: str, fail: bool = False) -> None:
+        sim = self.sims[name]
+        msg, sim.message = sim.message, None
+        assert msg is not None
+        if fail:
+            self.budget.failed_steps -= 1
+        self.core.step_replied(name, sim.run(msg, fail), self.now)
+
+    def restart(self, name: str) -> None:
+        self.budget.restarts -= 1
+        sim = self.sims[name]
+        sim.incarnation += 1
+        sim.tags.clear()
+        sim.slots.clear()
+
+    def land(self, key: int) -> None:
+        t = self.transfers.pop(key)
+        adm = self.receiver.admit(t.manifest, t.start.dst_pages, 1)
+        if adm.reject_reason:
+            raise Broken(f"transfer {key}: the receiver refused the planned push ({adm.reject_reason})")
+        self._write(t, why="lands")
+        self.receiver.finish(adm, adm.num_pages, [], [])
+        self.landed.add(t.start.request_id)
+        self.core.transfer_finished(key, MoveResult(True, nbytes=adm.num_pages), self.now)
+
+    def fail(self, key: int, loud: bool) -> None:
+        self.budget.transfer_faults -= 1
+        t = self.transfers[key]
+        self.receiver.cancel(t.manifest.transfer_id)
+        if not loud:
+            del self.transfers[key]
+            self.core.transfer_finished(key, MoveResult(False, "injected"), self.now)
+            return
+        t.loud = True
+
+        async def until_quiet() -> bool:  # never awaited: `quiet` is the event that says so
+            return True
+
+        self.core.transfer_finished(key, MoveResult(False, "timed out", quiet=False, source_quiet=False,
+                                                    until_quiet=until_quiet), self.now)
+
+    def late_write(self, key: int) -> None:
+        self._write(self.transfers[key], why="writes late")
+
+    def quiet(self, key: int) -> None:
+        del self.transfers[key]
+        self.core.transfer_quiet(key, self.now)
+
+    def tick(self) -> None:
+        self.budget.ticks -= 1
+        self.now += self.config.queue_timeout_s + 1
+        self.core.tick(self.now)
+
+    def _write(self, t: Transfer, why: str) -> None:
+        """The bytes of a transfer land in its destination pages (one-sided: the receiver cannot
+        stop them): each must still be its lease's, owned or quarantined."""
+        lease = t.start.dst_lease
+        ledger = self.decode.ledger
+        for page in t.start.dst_pages[:t.manifest.num_pages]:
+            if page not in ledger.pages(lease) and page not in ledger.quarantined_pages(lease):
+                raise Broken(f"transfer of lease {id_hex(lease)[-6:]} {why} into page {page}, which it no longer holds")
+        self.sims[self.decode.name].write(lease, t.start.dst_pages, 0, t.start.num_tokens)
+
+    # ---- actions ----
+
+    def carry_out(self) -> None:
+        for action in self.core.take_actions():
+            if isinstance(action, SendStep):
+                sim = self.sims[action.worker]
+                if sim.message is not None:
+                    raise Broken(f"a second step sent to the {action.worker} worker while one is in flight")
+                sim.message = action.message
+            elif isinstance(action, Emit):
+                seen = self.deltas.setdefault(action.request_id, [])
+                if seen and seen[-1].delta.terminal:
+                    raise Broken(f"request {action.request_id[-6:]} got output after its terminal delta")
+                if (action.delta.token_ids and self.config.disaggregated
+                        and action.request_id not in self.landed):
+                    raise Broken(f"request {action.request_id[-6:]} emitted a token before its KV landed")
+                seen.append(action)
+            elif isinstance(action, StartTransfer):
+                key = next(self._transfer_ids)
+                num_pages = -(-action.num_tokens // self.config.page_size_tokens)
+                manifest = TransferManifest(f"t{key}", id_hex(action.dst_lease), f"n{key}", action.num_tokens, num_pages)
+                self.receiver.expect(manifest, action.dst_pages[:num_pages])
+                self.transfers[action.key] = Transfer(action, manifest)
+            elif isinstance(action, WatchQuiet):
+                self.transfers[action.key].watched = True
+
+    # ---- invariants ----
+
+    def check(self) -> None:
+        held: dict[tuple[str, int], int] = {}
+        for w in self.core.workers:
+            w.ledger.check_integrity()
+        for t in self.transfers.values():  # every page a transfer may still touch is its lease's
+            num_pages = t.manifest.num_pages
+            for ledger, lease, pages, side in (
+                    (self.decode.ledger, t.start.dst_lease, t.start.dst_pages[:num_pages], "destination"),
+                    (self.prefill.ledger, t.start.src_lease, t.start.src_pages[:num_pages], "source")):
+                gone = [p for p in pages if p not in ledger.pages(lease) and p not in ledger.quarantined_pages(lease)]
+                if gone:
+                    raise Broken(f"pages {gone} a transfer may still touch ({side}) were freed or given away")
+        for rid in filter(None, self.submitted):
+            req = self.core.request(rid)
+            if req is None:
+                continue
+            for w, lease, pages in ((self.prefill, req.prefill_lease, req.prefill_pages),
+                                    (self.decode, req.decode_lease, req.decode_pages)):
+                for page in pages if lease else []:
+                    other = held.setdefault((w.name, page), lease)
+                    if other != lease:
+                        raise Broken(f"page {page} of the {w.name} pool is held by two leases")
+
+    def check_quiescent(self) -> None:
+        for i, rid in enumerate(self.submitted):
+            if rid is None:
+                continue
+            deltas = self.deltas.get(rid, [])
+            if self.core.request(rid) is not None or not deltas or not deltas[-1].delta.terminal:
+                raise Broken(f"r{i} is not terminal once no event is left")
+        for w in self.core.workers:
+            if w.ledger.num_used:
+                raise Broken(f"{w.ledger.num_used} pages of the {w.name} pool are not free once no event is left")
+            if self.sims[w.name].tags:
+                raise Broken(f"pages {sorted(self.sims[w.name].tags)} of the {w.name} pool are still tagged")
+
+    def fingerprint(self) -> str:
+        reqs = []
+        for rid in self.submitted:
+            req = self.core.request(rid) if rid else None
+            reqs.append(None if req is None else (req.state.value, len(req.tokens), req.prefilled, req.pending_end
+                                                  is not None, req.prefill_lease, req.decode_lease,
+                                                  tuple(req.decode_pages), req.stepping, req.transfer))
+        tables = [(list(w.ledger._free), sorted(w.ledger._owned.items()), sorted(w.ledger._quarantined.items()),  # noqa: SLF001
+                   w.table.has_pending, w.incarnation, w.in_flight is not None) for w in self.core.workers]
+        sims = [(sorted(s.tags.items()), sorted(s.slots.items()), s.incarnation, s.message) for s in self.sims.values()]
+        outs = {rid: [(d.delta.token_ids, d.delta.finish_reason, d.delta.error and d.delta.error.code)
+                      for d in ds] for rid, ds in self.deltas.items()}
+        transfers = sorted((k, t.loud, t.watched) for k, t in self.transfers.items())
+        return repr((reqs, tables, sims, outs, transfers, self.submitted, dataclasses.astuple(self.budget),
+                     self.core.queue and [r.request_id for r in self.core.queue]))
+
+
+@dataclasses.dataclass
+class Report:
+    states: int
+    transitions: int
+    quiescent: int
+    max_depth: int
+
+    def __str__(self) -> str:
+        return (f"{self.states} states, {self.transitions} transitions, {self.quiescent} quiescent, "
+                f"deepest path {self.max_depth} events")
+
+
+def explore(make: Callable[[], World], max_states: int = 200_000) -> Report:
+    """Every interleaving of the events `make()`'s world enables, breadth first; raises Violation
+    with the shortest trace to a broken invariant."""
+    logging.disable(logging.CRITICAL)
+    try:
+        return _bfs(make, max_states)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _bfs(make: Callable[[], World], max_states: int) -> Report:
+    root = make()
+    seen = {root.fingerprint()}
+    frontier: deque[tuple[World, list[str]]] = deque([(root, [])])
+    transitions = quiescent = depth = 0
+    while frontier:
+        world, trace = frontier.popleft()
+        depth = max(depth, len(trace))
+        enabled = [name for name, _ in world.events()]
+        if not enabled:
+            quiescent += 1
+            _checked(world.check_quiescent, trace + ["(no event left)"])
+        for name in enabled:
+            child = copy.deepcopy(world, memo=_shared(world))
+            step = dict(child.events())[name]
+            path = trace + [name]
+
+            def run(child: World = child, step: Callable[[], None] = step) -> None:
+                step()
+                child.carry_out()
+                child.check()
+
+            _checked(run, path)
+            transitions += 1
+            key = child.fingerprint()
+            if key not in seen:
+                seen.add(key)
+                if len(seen) > max_states:
+                    raise RuntimeError(f"more than {max_states} states: tighten the budget")
+                frontier.append((child, path))
+    return Report(len(seen), transitions, quiescent, depth)
+
+
+def _checked(fn: Callable[[], None], trace: list[str]) -> None:
+    try:
+        fn()
+    except (Broken, AssertionError, RuntimeError, ValueError, KeyError) as e:
+        if isinstance(e, Violation):
+            raise
+        raise Violation(f"{type(e).__name__}: {e}", trace) from e
+
+
+def _shared(world: World) -> dict[int, object]:
+    """What a copy of the world shares with the original: the tokenizer and the metrics."""
+    return {id(world.core.tokenizer): world.core.tokenizer, id(world.core.metrics): world.core.metrics}
+

@@ -1,0 +1,38 @@
+"""The scheduler core does no I/O: no await, no event-loop library, no clock (time comes in events).
+Checked on the source of every module the core is made of, so a change that adds one fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SCHEDULER = Path(__file__).resolve().parents[2] / "scheduler"
+CORE_MODULES = ["core.py", "preemption.py", "admission.py", "policy.py", "lease_table.py", "page_ledger.py",
+                "worker_binding.py", "request.py", "output.py", "actions.py", "errors.py", "config.py"]
+FORBIDDEN_IMPORTS = {"anyio", "asyncio", "time", "trio", "socket", "threading"}
+
+
+@pytest.mark.parametrize("name", CORE_MODULES)
+def test_core_module_has_no_await_no_loop_and_no_clock(name: str) -> None:
+    tree = ast.parse((SCHEDULER / name).read_text())
+    for node in ast.walk(tree):
+        assert not isinstance(node, (ast.Await, ast.AsyncFunctionDef, ast.AsyncFor, ast.AsyncWith)), \
+            f"{name}:{node.lineno}: the core never awaits"
+        if isinstance(node, ast.Import):
+            roots = {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            roots = {(node.module or "").split(".")[0]}
+        else:
+            continue
+        assert not roots & FORBIDDEN_IMPORTS, f"{name}:{node.lineno}: imports {roots & FORBIDDEN_IMPORTS}"
+
+
+def test_the_core_imports_only_core_modules_of_the_scheduler() -> None:
+    """The drivers (driver.py, offline.py) and I/O helpers (handle.py, transfer.py) stay outside."""
+    core = {name.removesuffix(".py") for name in CORE_MODULES} | {"messages", "ids", "metrics"}
+    for name in CORE_MODULES:
+        for node in ast.walk(ast.parse((SCHEDULER / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvfence.scheduler."):
+                assert node.module.rsplit(".", 1)[1] in core, f"{name} imports {node.module}"
