@@ -22,7 +22,7 @@ from kvfence.scheduler.messages import id_hex
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRecord, PairingRefused, Transport
 from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.registry import create_transport
 
 log = logging.getLogger(__name__)

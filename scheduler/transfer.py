@@ -20,7 +20,7 @@ import anyio
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
 from kvfence.transports.base import Peer, TransferManifest, Transport
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
 
 log = logging.getLogger(__name__)
 

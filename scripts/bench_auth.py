@@ -30,7 +30,7 @@ import msgspec
 import torch
 
 from kvfence.transports.base import PairingRecord, TransferManifest, TransportUnavailable
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
+from kvfence.transports.core.secret import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
 from kvfence.transports.registry import create_transport
 
 SECRET = DeploymentSecret.generate()

@@ -9,7 +9,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from kvfence.app.pairing import pair_workers, role_record
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool

@@ -25,11 +25,11 @@ from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
                                      TransferResult)
-from kvfence.transports.digest import page_digest
-from kvfence.transports.endpoint import PoolEndpoint, check_pair, pairing_problem
-from kvfence.transports.peer_auth import NONCE_BYTES, AuthenticationFailed, DeploymentSecret
-from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
-from kvfence.transports.staging import SourcePages
+from kvfence.transports.core.digest import page_digest
+from kvfence.transports.core.endpoint import PoolEndpoint, check_pair, pairing_problem
+from kvfence.transports.core.secret import NONCE_BYTES, AuthenticationFailed, DeploymentSecret
+from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES
+from kvfence.transports.core.staging import SourcePages
 
 
 class InProcessHub:

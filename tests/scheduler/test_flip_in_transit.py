@@ -20,10 +20,10 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.data_plane import WriteState
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
-from kvfence.transports.tcp import TcpTransport, split_address
-from kvfence.transports.tcp_wire import LEN_SIZE, Page, PushHeader, decode_frame, frame_length
+from kvfence.transports.onesided.data_plane import WriteState
+from kvfence.transports.core.secret import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
+from kvfence.transports.tcp.transport import TcpTransport, split_address
+from kvfence.transports.tcp.wire import LEN_SIZE, Page, PushHeader, decode_frame, frame_length
 
 pytestmark = pytest.mark.anyio
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]

@@ -16,9 +16,9 @@ from transport_harness import (TEST_SECRET, make_manifest, make_record, paired, 
                                recv_exactly, recv_until_closed, signed)
 
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, AuthenticationFailed, DeploymentSecret
-from kvfence.transports.tcp import split_address
-from kvfence.transports.tcp_wire import (LEN_SIZE, Hello, HelloReply, Page, Ping, PushHeader, decode_frame,
+from kvfence.transports.core.secret import MAC_BYTES, MAGIC, NONCE_BYTES, AuthenticationFailed, DeploymentSecret
+from kvfence.transports.tcp.transport import split_address
+from kvfence.transports.tcp.wire import (LEN_SIZE, Hello, HelloReply, Page, Ping, PushHeader, decode_frame,
                                           encode_frame, frame_length)
 
 pytestmark = pytest.mark.anyio

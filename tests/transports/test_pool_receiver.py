@@ -6,8 +6,8 @@ import pytest
 import torch
 from transport_harness import digests_of, make_manifest, make_record
 
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.receiver import PoolReceiver
+from kvfence.transports.core.pool_bytes import PoolView
+from kvfence.transports.core.receiver import PoolReceiver
 
 pytestmark = pytest.mark.anyio
 

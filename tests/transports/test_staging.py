@@ -12,10 +12,10 @@ import torch
 from transport_harness import (STAGE_CHUNK_PAGES, digests_of, make_manifest, make_record, page_bytes, paired, signed,
                                split_kind)
 
-from kvfence.transports import staging
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.receiver import PoolReceiver
-from kvfence.transports.receiver_state import Admission
+from kvfence.transports.core import staging
+from kvfence.transports.core.pool_bytes import PoolView
+from kvfence.transports.core.receiver import PoolReceiver
+from kvfence.transports.core.receiver_state import Admission
 
 pytestmark = pytest.mark.anyio
 STAGED = ["tcp+staged", "inprocess+staged"]
@@ -208,7 +208,7 @@ async def test_rejected_pushes_get_no_staging() -> None:
 
 
 async def test_a_failed_copy_into_the_pool_fails_the_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvfence.transports.receiver as receiver_module
+    import kvfence.transports.core.receiver as receiver_module
 
     def broken(*args: object) -> None:
         raise RuntimeError("device copy failed")

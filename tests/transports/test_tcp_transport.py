@@ -14,9 +14,9 @@ from transport_harness import (TEST_SECRET, make_manifest, make_record, page_byt
                                recv_exactly, recv_until_closed)
 
 from kvfence.transports.base import EndpointInfo, PairingRefused
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES
-from kvfence.transports.tcp import TcpTransport, split_address
-from kvfence.transports.tcp_wire import LEN_SIZE, Hello, HelloReply, decode_frame, encode_frame, frame_length
+from kvfence.transports.core.secret import MAC_BYTES, MAGIC, NONCE_BYTES
+from kvfence.transports.tcp.transport import TcpTransport, split_address
+from kvfence.transports.tcp.wire import LEN_SIZE, Hello, HelloReply, decode_frame, encode_frame, frame_length
 
 pytestmark = pytest.mark.anyio
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 import msgspec
 
 from kvfence.transports.base import TransferManifest, TransferResult
-from kvfence.transports.tcp_io import Channel
-from kvfence.transports.tcp_wire import LEN_SIZE, MAX_FRAME, Hello, HelloReply, Ping, ProtocolError, frame_length
+from kvfence.transports.wire.channel import Channel
+from kvfence.transports.tcp.wire import LEN_SIZE, MAX_FRAME, Hello, HelloReply, Ping, ProtocolError, frame_length
 
 MAX_HELLO = 1 << 20  # bytes of a frame before pairing; a plane descriptor can be a few KiB
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvfence.transports.nixl_plane import NixlPlane
-from kvfence.transports.onesided import OneSidedTransport
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.onesided.nixl.plane import NixlPlane
+from kvfence.transports.onesided.transport import OneSidedTransport
+from kvfence.transports.core.secret import DeploymentSecret
 
 
 class NixlTransport(OneSidedTransport):

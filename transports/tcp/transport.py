@@ -30,13 +30,13 @@ from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
-from kvfence.transports.endpoint import ListeningEndpoint
-from kvfence.transports.peer_auth import DeploymentSecret
-from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
-from kvfence.transports.tcp_io import Channel, accept_forever, connect, listen
-from kvfence.transports.tcp_receive import serve_connection
-from kvfence.transports.tcp_send import SenderConnection
-from kvfence.transports.tcp_wire import MAX_HELLO, Hello, Ping
+from kvfence.transports.core.endpoint import ListeningEndpoint
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES
+from kvfence.transports.wire.channel import Channel, accept_forever, connect, listen
+from kvfence.transports.tcp.receive import serve_connection
+from kvfence.transports.tcp.send import SenderConnection
+from kvfence.transports.tcp.wire import MAX_HELLO, Hello, Ping
 
 
 class TcpPeer(Peer):

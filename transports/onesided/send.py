@@ -21,12 +21,12 @@ import anyio
 import anyio.lowlevel
 
 from kvfence.transports.base import TransferManifest, TransferResult
-from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.onesided_link import Link, Sending, Write, wait_any, write_chunks
-from kvfence.transports.onesided_wire import Abort, Announce, Cancel, Go, Landed, Message, Ping, Stop, Verdict
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.sender_state import OutgoingPush, OutgoingPushes
-from kvfence.transports.tcp_wire import ProtocolError
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
+from kvfence.transports.onesided.link import Link, Sending, Write, wait_any, write_chunks
+from kvfence.transports.onesided.wire import Abort, Announce, Cancel, Go, Landed, Message, Ping, Stop, Verdict
+from kvfence.transports.core.pool_bytes import PoolView
+from kvfence.transports.core.sender_state import OutgoingPush, OutgoingPushes
+from kvfence.transports.tcp.wire import ProtocolError
 
 log = logging.getLogger(__name__)
 

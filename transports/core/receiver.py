@@ -27,10 +27,10 @@ import anyio
 import torch
 
 from kvfence.transports.base import TransferManifest, TransferResult
-from kvfence.transports.digest import page_digest
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.receiver_state import Admission, CapabilityCheck, ReceiverState
-from kvfence.transports.staging import copy_pages, host_pages, host_view
+from kvfence.transports.core.digest import page_digest
+from kvfence.transports.core.pool_bytes import PoolView
+from kvfence.transports.core.receiver_state import Admission, CapabilityCheck, ReceiverState
+from kvfence.transports.core.staging import copy_pages, host_pages, host_view
 
 log = logging.getLogger(__name__)
 

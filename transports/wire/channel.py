@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import anyio
 
-from kvfence.transports.digest import Hasher
-from kvfence.transports.tcp_wire import LEN_SIZE, MAX_FRAME, Frame, decode_frame, encode_frame, frame_length
+from kvfence.transports.core.digest import Hasher
+from kvfence.transports.tcp.wire import LEN_SIZE, MAX_FRAME, Frame, decode_frame, encode_frame, frame_length
 
 SCRATCH_BYTES = 256 << 10
 ConnectionGone = (OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)

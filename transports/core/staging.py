@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvfence.transports.pool_view import PoolView
+    from kvfence.transports.core.pool_bytes import PoolView
 
 
 def host_pages(num_pages: int, page_nbytes: int, device: torch.device) -> torch.Tensor:

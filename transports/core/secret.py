@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfence.transports.base import TransferManifest
-from kvfence.transports.tcp_io import Channel
+from kvfence.transports.wire.channel import Channel
 
 log = logging.getLogger(__name__)
 

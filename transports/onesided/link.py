@@ -14,12 +14,12 @@ from collections import deque
 import anyio
 
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.data_plane import WriteState
-from kvfence.transports.onesided_wire import Message, send_message
-from kvfence.transports.receiver_state import Admission
-from kvfence.transports.sender_state import OutgoingPush
-from kvfence.transports.staging import page_runs
-from kvfence.transports.tcp_io import Channel, ConnectionGone
+from kvfence.transports.onesided.data_plane import WriteState
+from kvfence.transports.onesided.wire import Message, send_message
+from kvfence.transports.core.receiver_state import Admission
+from kvfence.transports.core.sender_state import OutgoingPush
+from kvfence.transports.core.staging import page_runs
+from kvfence.transports.wire.channel import Channel, ConnectionGone
 
 
 class Link:

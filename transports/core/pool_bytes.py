@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvfence.transports.base import PairingRecord
-from kvfence.transports.digest import check_digest, page_digest
+from kvfence.transports.core.digest import check_digest, page_digest
 
 DEFAULT_STAGE_CHUNK_BYTES = 8 << 20
 

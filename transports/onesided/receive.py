@@ -18,13 +18,13 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.endpoint import pairing_problem
-from kvfence.transports.onesided_link import Incoming, Link
-from kvfence.transports.onesided_wire import (MAX_HELLO, Abort, Announce, Cancel, Go, Hello, HelloReply, Landed,
+from kvfence.transports.core.endpoint import pairing_problem
+from kvfence.transports.onesided.link import Incoming, Link
+from kvfence.transports.onesided.wire import (MAX_HELLO, Abort, Announce, Cancel, Go, Hello, HelloReply, Landed,
                                               Message, Ping, Stop, Verdict, recv_message, send_message)
-from kvfence.transports.receiver import PoolReceiver
-from kvfence.transports.tcp_io import Channel
-from kvfence.transports.tcp_wire import ProtocolError
+from kvfence.transports.core.receiver import PoolReceiver
+from kvfence.transports.wire.channel import Channel
+from kvfence.transports.tcp.wire import ProtocolError
 
 
 async def answer_hello(link: Link, me: EndpointInfo, descriptor: bytes, timeout_s: float,

@@ -22,14 +22,14 @@ from anyio.abc import TaskGroup, TaskStatus
 from kvfence.transports.base import (
     EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult, Transport,
 )
-from kvfence.transports.keepalive import keep_alive
-from kvfence.transports.peer_auth import (AuthenticationFailed, DeploymentSecret, authenticate_as_connector,
+from kvfence.transports.wire.keepalive import keep_alive
+from kvfence.transports.core.secret import (AuthenticationFailed, DeploymentSecret, authenticate_as_connector,
                                           authenticate_as_listener)
-from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES, PoolView
-from kvfence.transports.receiver import PoolReceiver
-from kvfence.transports.sender_state import OutgoingPushes
-from kvfence.transports.tcp_io import Channel
-from kvfence.transports.tcp_wire import HelloReply
+from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES, PoolView
+from kvfence.transports.core.receiver import PoolReceiver
+from kvfence.transports.core.sender_state import OutgoingPushes
+from kvfence.transports.wire.channel import Channel
+from kvfence.transports.tcp.wire import HelloReply
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from kvfence.transports.base import EndpointInfo, TransferResult
-from kvfence.transports.endpoint import pairing_problem
-from kvfence.transports.receiver import PoolReceiver
-from kvfence.transports.receiver_state import Admission
-from kvfence.transports.tcp_io import Channel, ConnectionGone
-from kvfence.transports.tcp_wire import (MAX_HELLO, Cancel, Hello, HelloReply, Page, Ping, ProtocolError,
+from kvfence.transports.core.endpoint import pairing_problem
+from kvfence.transports.core.receiver import PoolReceiver
+from kvfence.transports.core.receiver_state import Admission
+from kvfence.transports.wire.channel import Channel, ConnectionGone
+from kvfence.transports.tcp.wire import (MAX_HELLO, Cancel, Hello, HelloReply, Page, Ping, ProtocolError,
                                           PushAbort, PushEnd, PushHeader, Verdict)
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import anyio
 
 from kvfence.transports.base import EndpointInfo, TransferManifest, TransferResult
-from kvfence.transports.digest import new_hasher
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.sender_state import OutgoingPush
-from kvfence.transports.staging import SourcePages
-from kvfence.transports.tcp_io import Channel, ConnectionGone
-from kvfence.transports.tcp_wire import Cancel, Page, Ping, ProtocolError, PushAbort, PushEnd, PushHeader, Verdict
+from kvfence.transports.core.digest import new_hasher
+from kvfence.transports.core.pool_bytes import PoolView
+from kvfence.transports.core.sender_state import OutgoingPush
+from kvfence.transports.core.staging import SourcePages
+from kvfence.transports.wire.channel import Channel, ConnectionGone
+from kvfence.transports.tcp.wire import Cancel, Page, Ping, ProtocolError, PushAbort, PushEnd, PushHeader, Verdict
 
 
 class SenderConnection:

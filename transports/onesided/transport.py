@@ -47,16 +47,16 @@ from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
-from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.endpoint import ListeningEndpoint
-from kvfence.transports.onesided_link import Link
-from kvfence.transports.onesided_receive import ReceiverHalf, answer_hello
-from kvfence.transports.onesided_send import SenderHalf
-from kvfence.transports.onesided_wire import MAX_HELLO, Hello, Ping, recv_message, send_message
-from kvfence.transports.peer_auth import DeploymentSecret
-from kvfence.transports.tcp import listen_endpoint, split_address
-from kvfence.transports.tcp_io import Channel, ConnectionGone, accept_forever, connect
-from kvfence.transports.tcp_wire import ProtocolError
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
+from kvfence.transports.core.endpoint import ListeningEndpoint
+from kvfence.transports.onesided.link import Link
+from kvfence.transports.onesided.receive import ReceiverHalf, answer_hello
+from kvfence.transports.onesided.send import SenderHalf
+from kvfence.transports.onesided.wire import MAX_HELLO, Hello, Ping, recv_message, send_message
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.tcp.transport import listen_endpoint, split_address
+from kvfence.transports.wire.channel import Channel, ConnectionGone, accept_forever, connect
+from kvfence.transports.tcp.wire import ProtocolError
 
 log = logging.getLogger(__name__)
 LINGER_POLL_S = 0.01  # how often a plane is progressed for pushes that ended unproven only
