@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.data_plane import DataPlane, WriteState
 from kvfence.transports.onesided.transport import OneSidedTransport
-from kvfence.transports.core.secret import DeploymentSecret
 
 
 class WrappedNixlPlane(DataPlane):

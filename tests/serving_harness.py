@@ -9,7 +9,6 @@ import torch
 from anyio.abc import TaskGroup
 
 from kvfence.app.pairing import pair_workers, role_record
-from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
@@ -20,6 +19,7 @@ from kvfence.engine.worker import Worker, WorkerChannel
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import Scheduler
 from kvfence.transports.base import Transport
+from kvfence.transports.core.secret import DeploymentSecret
 
 
 _compute: ComputeThread | None = None

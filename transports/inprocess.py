@@ -27,8 +27,8 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused
                                      TransferResult)
 from kvfence.transports.core.digest import page_digest
 from kvfence.transports.core.endpoint import PoolEndpoint, check_pair, pairing_problem
-from kvfence.transports.core.secret import NONCE_BYTES, AuthenticationFailed, DeploymentSecret
 from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES
+from kvfence.transports.core.secret import NONCE_BYTES, AuthenticationFailed, DeploymentSecret
 from kvfence.transports.core.staging import SourcePages
 
 
@@ -170,9 +170,7 @@ class InProcessTransport(PoolEndpoint):
         self._closed = True
         if self._info is not None:
             self.hub.unregister(self._info.address)
-        if self._receiver is not None:
-            self._receiver.close("transport_closed")
-        self._outgoing.settle_all("transport_closed")
+        self._fail_pending()
         self._paired.clear()
         self._remotes.clear()
         await anyio.lowlevel.checkpoint()

@@ -30,8 +30,8 @@ from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.handle import OutputDelta, RequestHandle
 from kvfence.scheduler.page_ledger import PageLedger
-from kvfence.transports.onesided.data_plane import WriteState
 from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.onesided.data_plane import WriteState
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 PAGE_TOKENS = 4

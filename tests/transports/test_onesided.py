@@ -18,8 +18,8 @@ from transport_harness import TEST_SECRET, make_manifest, make_record, page_byte
 
 from kvfence.transports.base import Peer, TransferManifest, TransferResult, TransportUnavailable
 from kvfence.transports.onesided.data_plane import DataPlane, WriteState
-from kvfence.transports.onesided.transport import OneSidedTransport
 from kvfence.transports.onesided.link import write_chunks
+from kvfence.transports.onesided.transport import OneSidedTransport
 
 pytestmark = pytest.mark.anyio
 PAGE = 4096  # bytes: pages of 1024 float32

@@ -9,8 +9,8 @@ import pytest
 
 from kvfence.transports import registry
 from kvfence.transports.base import TransportUnavailable
-from kvfence.transports.inprocess import InProcessHub, InProcessTransport
 from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.inprocess import InProcessHub, InProcessTransport
 from kvfence.transports.tcp.transport import TcpTransport
 
 

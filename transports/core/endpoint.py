@@ -1,7 +1,6 @@
 """What the built-in transports share: pool registration, the receiver half (expect, completion,
-cancel), the checks on pairing and push arguments, and, for the ones that listen, the guards of
-every accepted connection: a cap on connections, the peer authentication of peer_auth.py inside
-the handshake timeout, and the keep-alive of a paired one.
+cancel), and the checks on pairing and push arguments. The ones that listen on a socket build on
+it in wire/listening.py.
 
 Both built-ins take the pool on any device: one that is not on the CPU (a CUDA pool) is staged
 through host memory (staging.py). Their constructors pass `stage_through_host` (None: stage iff the
@@ -10,28 +9,15 @@ pool is not on the CPU; True also stages a CPU pool, to test that path) and `sta
 
 from __future__ import annotations
 
-import logging
-import socket
-from collections.abc import Awaitable, Callable
-from typing import Any
-
-import anyio
 import torch
-from anyio.abc import TaskGroup, TaskStatus
 
 from kvfence.transports.base import (
     EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult, Transport,
 )
-from kvfence.transports.wire.keepalive import keep_alive
-from kvfence.transports.core.secret import (AuthenticationFailed, DeploymentSecret, authenticate_as_connector,
-                                          authenticate_as_listener)
 from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES, PoolView
 from kvfence.transports.core.receiver import PoolReceiver
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.core.sender_state import OutgoingPushes
-from kvfence.transports.wire.channel import Channel
-from kvfence.transports.tcp.wire import HelloReply
-
-log = logging.getLogger(__name__)
 
 
 def pairing_problem(mine: EndpointInfo, theirs: EndpointInfo) -> str | None:
@@ -115,6 +101,12 @@ class PoolEndpoint(Transport):
         self._outgoing.cancel(transfer_id)
         return True
 
+    def _fail_pending(self) -> None:
+        """Closing: every expected transfer and every push in flight fails ("transport_closed")."""
+        if self._receiver is not None:
+            self._receiver.close("transport_closed")
+        self._outgoing.settle_all("transport_closed")
+
     async def wait_quiet(self, transfer_id: str) -> bool:
         """True: `cancel` here is immediate, so nothing is left to wait for (the one-sided
         transports override this)."""
@@ -132,115 +124,3 @@ class PoolEndpoint(Transport):
             raise ValueError(f"transfer {manifest.transfer_id}: {len(manifest.digests)} digests for {n} pages")
         pool.check_pages(list(src_pages), f"transfer {manifest.transfer_id} src")
         return pool
-
-
-class ListeningEndpoint(PoolEndpoint):
-    """A PoolEndpoint that serves from a task group of its own, started inside the caller's (tcp and
-    the one-sided transports): `_loops()` run there until `aclose` cancels it, then `_stop_serving()`
-    closes what they used. `_tg` is that task group while it runs; `_stopped` is set once it ended.
-
-    `handshake_timeout_s`: the authentication and the pairing exchange of a connection, together,
-    or it is closed. `keepalive_s`: a paired connection on which nothing arrives for this long is
-    closed (keepalive.py). `max_connections`: accepted connections open at once; one more is
-    closed on arrival."""
-
-    def __init__(self, *, handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for what, value in (("handshake_timeout_s", handshake_timeout_s), ("keepalive_s", keepalive_s),
-                            ("max_connections", max_connections)):
-            if not value > 0:
-                raise ValueError(f"{what} must be positive, got {value!r}")
-        self.handshake_timeout_s = handshake_timeout_s
-        self.keepalive_s = keepalive_s
-        self.max_connections = max_connections
-        self.refused_peers = 0  # connections closed because they did not authenticate
-        self._open_connections = 0
-        self._tg: TaskGroup | None = None
-        self._stopped = anyio.Event()
-
-    # -- accepted connections ----------------------------------------------------------------
-    def _on_accept(self, sock: socket.socket, serve: Callable[[Channel], Awaitable[None]]) -> None:
-        """Serve an accepted socket with `serve` (which authenticates first, see `_authenticate`),
-        or close it at once when `max_connections` are open."""
-        if self._tg is None or self._open_connections >= self.max_connections:
-            log.warning("%s endpoint %s: %d connections open (the cap): closing a new one from %s", self.name,
-                        self._info.address if self._info else "?", self._open_connections, _peer_name(sock))
-            sock.close()
-            return
-        self._open_connections += 1
-        self._tg.start_soon(self._serve_accepted, Channel(sock), serve)
-
-    async def _serve_accepted(self, channel: Channel, serve: Callable[[Channel], Awaitable[None]]) -> None:
-        try:
-            await serve(channel)
-        finally:
-            self._open_connections -= 1
-            channel.close()
-
-    async def _authenticate(self, channel: Channel) -> bool:
-        """The listening side of peer_auth's handshake (call inside the handshake timeout). False,
-        logged, when the peer did not prove the deployment secret: send it nothing more."""
-        try:
-            await authenticate_as_listener(channel, self.secret, self.name)
-        except AuthenticationFailed as e:
-            self.refused_peers += 1
-            log.warning("%s endpoint %s: refused a connection from %s: %s", self.name, self.info.address,
-                        _peer_name(channel.sock), e)
-            return False
-        return True
-
-    async def _connect_authenticated(self, channel: Channel, peer: EndpointInfo) -> None:
-        """The connecting side of peer_auth's handshake; AuthenticationFailed names the peer."""
-        try:
-            await authenticate_as_connector(channel, self.secret, self.name)
-        except AuthenticationFailed as e:
-            raise AuthenticationFailed(f"{peer.address}: {e}") from None
-
-    def _keep_alive(self, channel: Channel, ping: Callable[[], Awaitable[None]], what: str) -> None:
-        """Run the keep-alive of a paired connection in the endpoint's task group."""
-        if self._tg is not None:
-            self._tg.start_soon(keep_alive, channel, ping, self.keepalive_s, f"{self.name} {what}")
-
-    def _loops(self) -> list[Callable[[], Awaitable[None]]]:
-        raise NotImplementedError
-
-    def _stop_serving(self) -> None:
-        raise NotImplementedError
-
-    def _check_pairable(self, peer: EndpointInfo) -> None:
-        """Before dialing `peer`: RuntimeError when not serving, PairingRefused for another transport."""
-        if self._tg is None or self._closed or self._stopped.is_set():
-            raise RuntimeError(f"{self.name} transport is not serving")
-        if peer.transport != self.name:
-            raise PairingRefused(f"transport: {self.name!r} != {peer.transport!r}")
-
-    def _check_hello_reply(self, peer: EndpointInfo, reply: object) -> HelloReply:
-        """The peer's answer to our Hello, checked: ConnectionError for anything but a HelloReply,
-        PairingRefused when it refused, its record does not match ours, or it is another incarnation
-        than `peer` announced; RuntimeError when this endpoint closed meanwhile."""
-        if not isinstance(reply, HelloReply):
-            raise ConnectionError(f"{peer.address}: expected hello_reply, got {type(reply).__name__}")
-        check_pair(self.info, peer, None if reply.accepted else reply.reason, reply.info)
-        if self._closed or self._stopped.is_set():
-            raise RuntimeError(f"{self.name} transport closed while pairing")
-        return reply
-
-    async def _serve(self, *, task_status: TaskStatus[None]) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                for loop in self._loops():
-                    tg.start_soon(loop)
-                task_status.started()
-        finally:
-            self._stop_serving()
-            self._stopped.set()
-
-
-def _peer_name(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-    except (OSError, ValueError):
-        return "an unknown peer"
-    return f"{host}:{port}"

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvfence.transports.base import TransferManifest, TransferResult
+from kvfence.transports.core.pool_bytes import check_pages
 
 
 @dataclass(eq=False)
@@ -89,11 +90,7 @@ class ReceiverState:
             raise ValueError(f"transfer {tid}: {len(dst_pages)} dst pages for num_pages={manifest.num_pages}")
         if len(manifest.digests) not in (0, manifest.num_pages):
             raise ValueError(f"transfer {tid}: {len(manifest.digests)} digests for {manifest.num_pages} pages")
-        if len(set(dst_pages)) != len(dst_pages):
-            raise ValueError(f"transfer {tid}: repeated dst page in {dst_pages}")
-        bad = [p for p in dst_pages if not (isinstance(p, int) and 0 <= p < self.num_pages)]
-        if bad:
-            raise ValueError(f"transfer {tid}: dst pages {bad} outside the pool's {self.num_pages}")
+        check_pages(dst_pages, self.num_pages, f"transfer {tid} dst")
         if busy := self._reserved.intersection(dst_pages):
             raise ValueError(f"transfer {tid}: dst pages {sorted(busy)} belong to another pending transfer")
         self._expected[tid] = (manifest, tuple(dst_pages))

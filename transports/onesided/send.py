@@ -9,7 +9,7 @@ the push, nothing more is posted or read. Writes are polled by the transport's p
 (`poll_writes`); a push waits for its write in flight to be terminal before it returns, even when
 its task is cancelled (then at most `cancel_ack_timeout_s`, shielded, after which the link is
 dropped: its receiver cannot trust the pair any more). Every push that was announced and not
-answered ends with an Abort, sent once its writes are terminal.
+answered ends with a PushAbort, sent once its writes are terminal.
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ import anyio
 import anyio.lowlevel
 
 from kvfence.transports.base import TransferManifest, TransferResult
-from kvfence.transports.onesided.data_plane import DataPlane, WriteState
-from kvfence.transports.onesided.link import Link, Sending, Write, wait_any, write_chunks
-from kvfence.transports.onesided.wire import Abort, Announce, Cancel, Go, Landed, Message, Ping, Stop, Verdict
 from kvfence.transports.core.pool_bytes import PoolView
 from kvfence.transports.core.sender_state import OutgoingPush, OutgoingPushes
-from kvfence.transports.tcp.wire import ProtocolError
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
+from kvfence.transports.onesided.link import Link, Sending, Write, wait_any, write_chunks
+from kvfence.transports.onesided.wire import Message
+from kvfence.transports.wire.framing import ProtocolError
+from kvfence.transports.wire.messages import Cancel, Go, Landed, Ping, PushAbort, PushHeader, Stop, Verdict
 
 log = logging.getLogger(__name__)
 
 
 def _as_receiver_sees(out: OutgoingPush) -> str:
-    """The reason an Abort tells the receiver (this endpoint closing is "peer_lost" there)."""
+    """The reason a PushAbort tells the receiver (this endpoint closing is "peer_lost" there)."""
     assert out.result is not None
     return "cancelled" if out.cancelled else "peer_lost" if out.result.reason == "transport_closed" \
         else out.result.reason
@@ -75,7 +76,7 @@ class SenderHalf:
             if out.cancelled:
                 link.send(Cancel(tid))  # the receiver drops the expectation
             return out.result
-        link.send(Announce(manifest, dst, pool.page_nbytes, digests))
+        link.send(PushHeader(manifest, dst, pool.page_nbytes, digests))
         try:
             await wait_any(s.go, out.done)
             if s.go.is_set() and out.result is None and await self._write(s, pool, src, dst, tid) \
@@ -85,11 +86,11 @@ class SenderHalf:
                 await out.done.wait()
         except anyio.get_cancelled_exc_class():
             if not s.answered:  # `_write` returned only once its write was terminal
-                link.send(Abort(tid, "cancelled"))
+                link.send(PushAbort(tid, "cancelled"))
             raise
         assert out.result is not None
         if not s.answered:  # stopped, failed or closing: no further byte of this push can land
-            link.send(Abort(tid, _as_receiver_sees(out)))
+            link.send(PushAbort(tid, _as_receiver_sees(out)))
         return out.result
 
     async def _source_digests(self, pool: PoolView, src: list[int], out: OutgoingPush) -> list[str]:

@@ -23,8 +23,10 @@ from kvfence.transports.core.digest import new_hasher
 from kvfence.transports.core.pool_bytes import PoolView
 from kvfence.transports.core.sender_state import OutgoingPush
 from kvfence.transports.core.staging import SourcePages
+from kvfence.transports.tcp.wire import Frame
 from kvfence.transports.wire.channel import Channel, ConnectionGone
-from kvfence.transports.tcp.wire import Cancel, Page, Ping, ProtocolError, PushAbort, PushEnd, PushHeader, Verdict
+from kvfence.transports.wire.framing import ProtocolError
+from kvfence.transports.wire.messages import Cancel, Page, Ping, PushAbort, PushEnd, PushHeader, Verdict
 
 
 class SenderConnection:
@@ -52,7 +54,7 @@ class SenderConnection:
         """Reader task: route verdicts until the connection ends."""
         try:
             while True:
-                frame = await self.channel.recv_frame()
+                frame = await self.channel.recv_frame(Frame)
                 if isinstance(frame, Ping):
                     continue
                 if not isinstance(frame, Verdict):

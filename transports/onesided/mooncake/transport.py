@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 # the install hint, transports/registry.py) where the engine or its system libraries are missing.
 import mooncake.engine  # noqa: F401
 
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.mooncake.plane import MooncakePlane
 from kvfence.transports.onesided.transport import OneSidedTransport
-from kvfence.transports.core.secret import DeploymentSecret
 
 
 class MooncakeTransport(OneSidedTransport):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.nixl.plane import NixlPlane
 from kvfence.transports.onesided.transport import OneSidedTransport
-from kvfence.transports.core.secret import DeploymentSecret
 
 
 class NixlTransport(OneSidedTransport):
