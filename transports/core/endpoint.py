@@ -5,7 +5,7 @@ it in wire/listening.py.
 Both built-ins take the pool on any device: one that is not on the CPU (a CUDA pool) is staged
 through host memory (staging.py). Their constructors pass `stage_through_host` (None: stage iff the
 pool is not on the CPU; True also stages a CPU pool, to test that path) and `stage_chunk_bytes`
-(how much of a push the sender stages at once) to `PoolView`."""
+(how much of a push the sender stages at once) to `PoolBytes`."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from kvfence.transports.base import (
     EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult, Transport,
 )
-from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES, PoolView
-from kvfence.transports.core.receiver import PoolReceiver
+from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES, PoolBytes
+from kvfence.transports.core.receiver import Receiver
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.core.sender_state import OutgoingPushes
 
@@ -40,7 +40,7 @@ def check_pair(mine: EndpointInfo, peer: EndpointInfo, refusal: str | None, thei
                              f"not {peer.record.incarnation!r}")
 
 
-class PoolEndpoint(Transport):
+class Endpoint(Transport):
     """Base of the built-in transports. Subclasses implement start/pair/push/health/aclose and
     call `_register` from `start`. `secret`: the deployment's (peer_auth.py); the receiver checks
     every capability with it against this endpoint's incarnation."""
@@ -52,8 +52,8 @@ class PoolEndpoint(Transport):
         self.secret = secret
         self.stage_through_host = stage_through_host
         self.stage_chunk_bytes = stage_chunk_bytes
-        self._pool: PoolView | None = None
-        self._receiver: PoolReceiver | None = None
+        self._pool_bytes: PoolBytes | None = None
+        self._receiver: Receiver | None = None
         self._outgoing = OutgoingPushes()
         self._info: EndpointInfo | None = None
         self._closed = False
@@ -65,22 +65,22 @@ class PoolEndpoint(Transport):
             raise RuntimeError(f"{self.name} transport not started")
         return self._info
 
-    def _register(self, memory: torch.Tensor, record: PairingRecord) -> PoolView:
+    def _register(self, memory: torch.Tensor, record: PairingRecord) -> PoolBytes:
         if self._closed:
             raise RuntimeError(f"{self.name} transport is closed")
-        if self._pool is not None:
+        if self._pool_bytes is not None:
             raise RuntimeError(f"{self.name} transport already started")
-        pool = PoolView(memory, record, stage_through_host=self.stage_through_host,
-                        stage_chunk_bytes=self.stage_chunk_bytes)
+        pool_bytes = PoolBytes(memory, record, stage_through_host=self.stage_through_host,
+                               stage_chunk_bytes=self.stage_chunk_bytes)
         secret, incarnation = self.secret, record.incarnation
-        self._pool = pool
-        self._receiver = PoolReceiver(pool, lambda m, dst: secret.capability_ok(m, dst, incarnation))
-        return pool
+        self._pool_bytes = pool_bytes
+        self._receiver = Receiver(pool_bytes, lambda m, dst: secret.capability_ok(m, dst, incarnation))
+        return pool_bytes
 
-    def _started(self) -> tuple[PoolView, PoolReceiver]:
-        if self._pool is None or self._receiver is None:
+    def _started(self) -> tuple[PoolBytes, Receiver]:
+        if self._pool_bytes is None or self._receiver is None:
             raise RuntimeError(f"{self.name} transport not started")
-        return self._pool, self._receiver
+        return self._pool_bytes, self._receiver
 
     def expect(self, manifest: TransferManifest, dst_pages: list[int]) -> None:
         """Allow exactly this transfer into `dst_pages`. ValueError: reused id, wrong page count,
@@ -112,8 +112,8 @@ class PoolEndpoint(Transport):
         transports override this)."""
         return True
 
-    def _check_push(self, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int]) -> PoolView:
-        pool = self._started()[0]
+    def _check_push(self, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int]) -> PoolBytes:
+        pool_bytes = self._started()[0]
         if self._closed:
             raise RuntimeError(f"{self.name} transport is closed")
         n = manifest.num_pages
@@ -122,5 +122,5 @@ class PoolEndpoint(Transport):
                              f"dst pages for num_pages={n}")
         if len(manifest.digests) not in (0, n):
             raise ValueError(f"transfer {manifest.transfer_id}: {len(manifest.digests)} digests for {n} pages")
-        pool.check_pages(list(src_pages), f"transfer {manifest.transfer_id} src")
-        return pool
+        pool_bytes.check_pages(list(src_pages), f"transfer {manifest.transfer_id} src")
+        return pool_bytes

@@ -31,7 +31,7 @@ def check_pages(pages: Sequence[int], num_pages: int, what: str) -> None:
         raise ValueError(f"{what}: pages {bad} outside the pool's {num_pages} pages")
 
 
-class PoolView:
+class PoolBytes:
     """Views of each page of `memory` (no copies): uint8 tensors always, writable memoryviews for
     a pool that is not staged.
 

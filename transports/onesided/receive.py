@@ -1,9 +1,9 @@
 """The receiving half of a one-sided transport: admissions, verdicts.
 
 Nothing here writes the pool: the sender's plane does, and only after this half said "go" to an
-admitted push (`PoolReceiver.admit`: what was not expected, or does not match, is refused and
+admitted push (`Receiver.admit`: what was not expected, or does not match, is refused and
 never gets a "go"). A push is `Incoming` from its "go" until its writes are known terminal: its
-notification or "landed" arrived (then `PoolReceiver.finish` recomputes the digests over the
+notification or "landed" arrived (then `Receiver.finish` recomputes the digests over the
 landed pages and the verdict goes back), or the sender reported them terminal with a PushAbort. A
 lost link or a shutdown ends the transfer ("peer_lost", "protocol_error", "transport_closed")
 without that proof: a write already posted may still land in its dst pages.
@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvfence.transports.core.receiver import PoolReceiver
+from kvfence.transports.core.receiver import Receiver
 from kvfence.transports.onesided.link import Incoming, Link
 from kvfence.transports.onesided.wire import Message
 from kvfence.transports.wire.framing import ProtocolError
@@ -27,7 +27,7 @@ UNPROVEN_KEPT = 4096
 class ReceiverHalf:
     """The pushes into one endpoint's pool that were told "go" (`incoming`, for the poller)."""
 
-    def __init__(self, receiver: PoolReceiver, kick: Callable[[], None], linger_s: float = 60.0) -> None:
+    def __init__(self, receiver: Receiver, kick: Callable[[], None], linger_s: float = 60.0) -> None:
         self.receiver = receiver
         self.kick = kick  # wakes the poller: a write may now land
         self.incoming: dict[str, Incoming] = {}  # "go" sent, writes not known terminal

@@ -15,7 +15,7 @@ answers "go"; only then does the sender post writes of its source page ranges in
 ranges (pages consecutive on both sides merged), `write_chunk_bytes` at a time, each posted once
 the previous one is DONE. The last write carries the transfer id as its notification (or, for a
 plane without notifications, the sender sends "landed" once it is DONE); on that the receiver
-recomputes the digests over the landed pages (`PoolReceiver.finish`) and answers with the
+recomputes the digests over the landed pages (`Receiver.finish`) and answers with the
 verdict, which `push` returns. A write that fails (or fails to post) is reported to the receiver
 at once ("write_failed"). As with tcp into a host pool, a push that fails verification leaves its
 bytes in its dst pages: the verdict is what says they are not KV.
@@ -116,12 +116,12 @@ class OneSidedTransport(ListeningEndpoint):
             raise TransportUnavailable(
                 f"the {self.name} transport takes a CPU pool, not one on {memory.device}: a device pool "
                 f"would be registered with the plane directly, which is not supported yet; use tcp")
-        pool = self._register(memory, record)
+        pool_bytes = self._register(memory, record)
         self._rx = ReceiverHalf(self._started()[1], self._kick)
         self._listen(record)
         try:
             try:
-                self._descriptor = self.plane.open(pool.memory)
+                self._descriptor = self.plane.open(pool_bytes.memory)
             except TransportUnavailable:
                 raise
             except Exception as e:
@@ -232,10 +232,10 @@ class OneSidedTransport(ListeningEndpoint):
         is cancelled and `cancel_ack_timeout_s` passes (then the pair is dropped, and the write
         may still read the source pages). ValueError on bad arguments or a peer not paired by
         this endpoint."""
-        pool = self._check_push(manifest, src_pages, dst_pages)
+        pool_bytes = self._check_push(manifest, src_pages, dst_pages)
         if not isinstance(peer, OneSidedPeer) or peer.owner is not self:
             raise ValueError(f"push to a peer this {self.name} endpoint did not pair with")
-        return await self._sender.push(peer.link, pool, manifest, list(src_pages), list(dst_pages))
+        return await self._sender.push(peer.link, pool_bytes, manifest, list(src_pages), list(dst_pages))
 
     async def cancel(self, transfer_id: str) -> bool:
         """Both halves. Receiving: un-expect it at once (a later announcement is refused); if it

@@ -1,7 +1,7 @@
 """The receiving end of one accepted TCP connection: authentication, pairing handshake, then pushes.
 
 Page bytes are read straight into the destination pool pages, but only while the receiver says the
-transfer may be written (`PoolReceiver.target`); otherwise into scratch and dropped. A push cut
+transfer may be written (`Receiver.target`); otherwise into scratch and dropped. A push cut
 off by a lost connection fails with "peer_lost", one cut off by a protocol violation with
 "protocol_error"; the connection is then closed. Nothing here raises for peer misbehaviour.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from kvfence.transports.base import EndpointInfo, TransferResult
-from kvfence.transports.core.receiver import PoolReceiver
+from kvfence.transports.core.receiver import Receiver
 from kvfence.transports.core.receiver_state import Admission
 from kvfence.transports.tcp.wire import Frame
 from kvfence.transports.wire.channel import Channel, ConnectionGone
@@ -19,7 +19,7 @@ from kvfence.transports.wire.framing import ProtocolError
 from kvfence.transports.wire.messages import Cancel, Page, Ping, PushAbort, PushEnd, PushHeader, Verdict
 
 
-async def serve_connection(channel: Channel, receiver: PoolReceiver,
+async def serve_connection(channel: Channel, receiver: Receiver,
                            pair: Callable[[], Awaitable[EndpointInfo | None]], on_paired: Callable[[], None]) -> None:
     """Serve `channel` until the peer goes away or the task is cancelled; always closes it.
     `pair` runs first (authentication and the Hello exchange, within the handshake timeout; see
@@ -40,7 +40,7 @@ async def serve_connection(channel: Channel, receiver: PoolReceiver,
 
 
 class _PushReader:
-    def __init__(self, channel: Channel, receiver: PoolReceiver) -> None:
+    def __init__(self, channel: Channel, receiver: Receiver) -> None:
         self.channel = channel
         self.receiver = receiver
         self.adm: Admission | None = None  # the push being read, until its verdict is decided

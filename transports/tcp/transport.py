@@ -113,12 +113,12 @@ class TcpTransport(ListeningEndpoint):
         """Send the pages and return the receiver's verdict ("cancelled" when `cancel` stopped
         it, "peer_lost" / "transport_closed" when the connection went away first). ValueError
         on bad arguments or a peer not paired by this endpoint."""
-        pool = self._check_push(manifest, src_pages, dst_pages)
+        pool_bytes = self._check_push(manifest, src_pages, dst_pages)
         if not isinstance(peer, TcpPeer) or peer.owner is not self:
             raise ValueError("push to a peer this tcp endpoint did not pair with")
         out = self._outgoing.add(manifest.transfer_id)
         try:
-            return await peer.connection.push(out, pool, manifest, list(src_pages), list(dst_pages))
+            return await peer.connection.push(out, pool_bytes, manifest, list(src_pages), list(dst_pages))
         finally:
             self._outgoing.remove(out)
 

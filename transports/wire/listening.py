@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, TransportUnavailable
-from kvfence.transports.core.endpoint import PoolEndpoint, check_pair, pairing_problem
+from kvfence.transports.core.endpoint import Endpoint, check_pair, pairing_problem
 from kvfence.transports.core.secret import AuthenticationFailed
 from kvfence.transports.wire.channel import Channel, accept_forever, connect, listen, split_address
 from kvfence.transports.wire.framing import ProtocolError
@@ -27,8 +27,8 @@ from kvfence.transports.wire.messages import Hello, HelloReply
 log = logging.getLogger(__name__)
 
 
-class ListeningEndpoint(PoolEndpoint):
-    """A PoolEndpoint that listens on `host`:`port` (port 0: an ephemeral one) and serves from a
+class ListeningEndpoint(Endpoint):
+    """A Endpoint that listens on `host`:`port` (port 0: an ephemeral one) and serves from a
     task group of its own, started inside the caller's: `_loops()` run there until `aclose`
     cancels it, then `_stop_serving()` closes what they used. `_tg` is that task group while it
     runs; `_stopped` is set once it ended. A subclass names the messages its connections carry
