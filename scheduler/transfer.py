@@ -2,7 +2,7 @@
 
 The scheduler's half of a transfer: mint the ids and the push's capability (a MAC with the
 deployment secret over the ids, the destination lease and pages and the receiver's incarnation,
-transports/peer_auth.py), arm the receiver with the manifest and the destination pages the server
+transports/core/secret.py), arm the receiver with the manifest and the destination pages the server
 chose, push, and wait for the receiver's verdict. Success needs the receiver's positive verdict;
 an error, a timeout or silence is a failure.
 """

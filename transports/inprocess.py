@@ -8,7 +8,7 @@ written, and it succeeds only when the digests recomputed over the landed pages 
 The pushing task yields to the event loop every `yield_every_bytes`, so `cancel` (checked before
 every page read) and other tasks interleave with large pushes.
 
-Pools on other devices are staged through host memory at both ends (staging.py): the sender
+Pools on other devices are staged through host memory at both ends (core/staging.py): the sender
 copies its source pages to a host buffer a chunk at a time, the receiver lands them in a host
 buffer of the transfer and copies them into its pool only once they verified.
 """
@@ -79,7 +79,7 @@ class InProcessTransport(Endpoint):
         return self._info
 
     def _challenge(self, connector_nonce: bytes) -> tuple[bytes, bytes]:
-        """The listening side of peer_auth's handshake, first step: a fresh nonce and our proof."""
+        """The listening side of the handshake (wire/handshake.py), first step: a fresh nonce and our proof."""
         listener_nonce = secrets.token_bytes(NONCE_BYTES)
         self._challenges[listener_nonce] = connector_nonce
         return listener_nonce, self.secret.proof("listener", self.name, connector_nonce, listener_nonce)
@@ -98,7 +98,7 @@ class InProcessTransport(Endpoint):
         return problem
 
     async def pair(self, peer: EndpointInfo) -> Peer:
-        """Authenticate both ways (peer_auth's proofs, without a wire) and pair. PairingRefused on
+        """Authenticate both ways (core/secret.py's proofs, without a wire) and pair. PairingRefused on
         any mismatch (either side's verdict); AuthenticationFailed when either side does not prove
         the deployment secret; ConnectionRefusedError when no endpoint of this hub has that address."""
         if self._info is None or self._closed:

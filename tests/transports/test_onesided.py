@@ -1,4 +1,4 @@
-"""The one-sided protocol (transports/onesided*.py) over a fake data plane whose writes stay
+"""The one-sided protocol (transports/onesided/) over a fake data plane whose writes stay
 PENDING until the test lands or fails them: when a cancel is acknowledged, what a failed write
 tells the receiver, that refused pushes post nothing, the "landed" path of planes without
 notifications, and an idle poller. The NIXL plane itself is tested for real in

@@ -3,7 +3,7 @@ cancel), and the checks on pairing and push arguments. The ones that listen on a
 it in wire/listening.py.
 
 Both built-ins take the pool on any device: one that is not on the CPU (a CUDA pool) is staged
-through host memory (staging.py). Their constructors pass `stage_through_host` (None: stage iff the
+through host memory (core/staging.py). Their constructors pass `stage_through_host` (None: stage iff the
 pool is not on the CPU; True also stages a CPU pool, to test that path) and `stage_chunk_bytes`
 (how much of a push the sender stages at once) to `PoolBytes`."""
 
@@ -42,7 +42,7 @@ def check_pair(mine: EndpointInfo, peer: EndpointInfo, refusal: str | None, thei
 
 class Endpoint(Transport):
     """Base of the built-in transports. Subclasses implement start/pair/push/health/aclose and
-    call `_register` from `start`. `secret`: the deployment's (peer_auth.py); the receiver checks
+    call `_register` from `start`. `secret`: the deployment's (core/secret.py); the receiver checks
     every capability with it against this endpoint's incarnation."""
 
     def __init__(self, *, secret: DeploymentSecret, stage_through_host: bool | None = None,

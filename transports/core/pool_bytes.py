@@ -3,7 +3,7 @@
 The pool must be a contiguous tensor, on any device, whose first dimension is pages, whose page
 size in bytes equals the pairing record's `page_nbytes` and whose dtype is the record's (ValueError
 otherwise). Built-in transports move host bytes: a CPU pool is read and written in place, a pool on
-another device (CUDA) is staged through host buffers (`staged`; see staging.py). Staging can be
+another device (CUDA) is staged through host buffers (`staged`; see core/staging.py). Staging can be
 forced for a CPU pool (`stage_through_host=True`), which is how the staged path is tested without
 an accelerator; it cannot be turned off for a pool that is not on the CPU.
 """

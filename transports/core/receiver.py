@@ -8,7 +8,7 @@ transfer is written.
 
 Host pools: the targets are the pool's own pages, and `finish` recomputes the digests over them.
 
-Staged pools (not on the CPU; see staging.py) verify, then copy: an accepted push gets a host
+Staged pools (not on the CPU; see core/staging.py) verify, then copy: an accepted push gets a host
 buffer of its whole transfer at `admit` (never a rejected one; the size of the dst pages the
 server reserved for it, and since those are disjoint between pending transfers, all buffers
 together never exceed the pool). The targets are that buffer's pages; `finish` recomputes the

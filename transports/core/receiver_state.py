@@ -7,7 +7,7 @@ Per transfer id:  EXPECTED --admit--> RECEIVING --finish/abort--> FINISHED
 `admit` decides whether a push may land in the pool: only an EXPECTED transfer whose manifest
 (transfer_id, lease, nonce, num_pages, num_tokens, capability), page size and dst pages equal what
 was expected. With a `capability` check (every endpoint has one: the deployment secret's MAC, see
-peer_auth.py), `expect` refuses a manifest whose capability does not verify for its dst pages, and
+core/secret.py), `expect` refuses a manifest whose capability does not verify for its dst pages, and
 `admit` refuses such a push ("capability") before anything else; when it names an expected
 transfer, that transfer fails with it (the push that arrived for it is not the planned one).
 Any other push gets a rejected `Admission` (its bytes must be read into scratch and dropped). A

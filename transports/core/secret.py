@@ -15,7 +15,7 @@ without a wire.
 A capability is a MAC, minted where a transfer is planned, over what the push may do: the
 transfer id, the destination lease, the destination pages, the token count, the nonce and the
 receiver's incarnation. The receiver recomputes it with its own incarnation before it arms a
-transfer and before it admits a push (transports/receiver_state.py), so a push planned for
+transfer and before it admits a push (transports/core/receiver_state.py), so a push planned for
 another lease, other pages, another nonce or an earlier incarnation of the receiver is refused.
 """
 

@@ -1,4 +1,4 @@
-"""The pieces of a one-sided transport (onesided.py) that hold no policy: a control connection
+"""The pieces of a one-sided transport (onesided/transport.py) that hold no policy: a control connection
 with an outbox, the records of pushes and receptions in flight, and how a push is cut into writes.
 
 A `Link` is one paired control connection. Its outbox is drained, in order, by `write_loop` (a

@@ -1,13 +1,13 @@
 """`OneSidedTransport`: page bytes move by one-sided WRITEs through a `DataPlane` (NIXL,
-Mooncake); a small TCP control channel (onesided_wire, over tcp_io) pairs endpoints and decides,
+Mooncake); a small TCP control channel (onesided/wire.py, over wire/) pairs endpoints and decides,
 per push, whether and when the sender may write.
 
-Pairing is tcp's: first the mutual authentication of peer_auth.py (a peer that does not prove the
-deployment secret gets nothing: no record, no plane descriptor), then the connecting side sends
-its EndpointInfo, the listener refuses another
-transport or any byte-defining record mismatch (naming the field), else answers with its own
-info and its plane descriptor; the connecting side re-checks the record and the incarnation and
-`connect`s its plane to the listener's registered pool.
+Pairing is tcp's (wire/listening.py): first the mutual authentication of wire/handshake.py (a
+peer that does not prove the deployment secret gets nothing: no record, no plane descriptor),
+then the connecting side sends its EndpointInfo, the listener refuses another transport or any
+byte-defining record mismatch (naming the field), else answers with its own info and its plane
+descriptor; the connecting side re-checks the record and the incarnation and `connect`s its
+plane to the listener's registered pool.
 
 A push: the sender announces the manifest and dst pages; the receiver `admit`s it against what it
 expected (nothing expected, a duplicate or any mismatch is refused and nothing is written) and

@@ -6,7 +6,7 @@ its verdict, which the connection's reader task (`run`, in the transport's task 
 transfer id. Several pushes can thus await verdicts at once while the next one streams.
 
 Page bytes are sent from the pool without a copy (a staged pool: from the host buffer its pages
-are copied into, a chunk at a time, while the push holds the send lock; see staging.py); the
+are copied into, a chunk at a time, while the push holds the send lock; see core/staging.py); the
 digest is computed over each chunk the kernel accepted, i.e. over exactly the bytes sent. Stopping
 (transport `cancel`) is checked before every read of a source page; a stopped or interrupted push
 pads the current page with zeros and sends PushAbort (so does one whose staging copy failed, then

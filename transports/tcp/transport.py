@@ -1,18 +1,19 @@
 """`TcpTransport`: KV pages over plain TCP (loopback or LAN), no extra dependencies.
 
 Every endpoint listens (it can receive); `pair(peer)` opens one connection from this endpoint to
-the peer's listener, runs the mutual authentication of peer_auth.py (a peer without the deployment
+the peer's listener, runs the mutual authentication of wire/handshake.py (a peer without the deployment
 secret gets nothing more, not even the pairing record), and exchanges Hello/HelloReply: the
 listener refuses a different transport or
 any byte-defining record mismatch, and the connecting side re-checks the reply (record, and that
 the peer's incarnation is the one it was told about). Pushes then flow connector -> listener on
-that connection, several at once (see tcp_send). Wire format: tcp_wire; byte moving: tcp_io.
+that connection, several at once (see tcp/send.py). Protocol: tcp/wire.py; byte moving:
+wire/channel.py; listening, dialing and the Hello exchange: wire/listening.py.
 
 Digests: a push whose manifest carries digests is verified against those; one whose manifest has
 none (`digests=[]`) is verified against the digests the sender computes, per page, over exactly
 the bytes it sent (with the paired algorithm).
 
-A pool that is not on the CPU is staged through host memory (staging.py; `stage_through_host`).
+A pool that is not on the CPU is staged through host memory (core/staging.py; `stage_through_host`).
 
 A lost connection is not re-established: its pushes fail with "peer_lost", later pushes to that
 peer return "peer_lost" at once, and `health()` stays False until the peer is paired again.

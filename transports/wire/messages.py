@@ -53,7 +53,7 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True):
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
-    """Keep-alive (keepalive.py), either way, while idle; ignored by its reader."""
+    """Keep-alive (wire/keepalive.py), either way, while idle; ignored by its reader."""
 
 
 class Page(msgspec.Struct, tag="page", frozen=True):

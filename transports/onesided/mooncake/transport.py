@@ -1,12 +1,12 @@
 """`MooncakeTransport`: KV pages by Mooncake transfer-engine batch WRITEs (P2PHANDSHAKE metadata;
 the `tcp` protocol by default, `rdma` selectable with device names), paired and steered over a
-small TCP control channel. The protocol is onesided.py's; the byte moving, and what the engine
-does and does not guarantee, is mooncake_plane.py's. Needs the Mooncake transfer engine
+small TCP control channel. The protocol is onesided/transport.py's; the byte moving, and what the
+engine does and does not guarantee, is mooncake/plane.py's. Needs the Mooncake transfer engine
 (pip install 'kvfence[mooncake]') and Debian's libibverbs1, librdmacm1 and libnuma1.
 
 A Mooncake write carries no notification, so the sender tells the receiver "landed" on the
 control channel only once every write is DONE: the manifest's completion can never overtake the
-data it describes. Pools must be on the CPU (see nixl.py for why staging does not apply).
+data it describes. Pools must be on the CPU (see nixl/transport.py for why staging does not apply).
 """
 
 from __future__ import annotations
