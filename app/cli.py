@@ -160,7 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
-    from kvfence.transports.peer_auth import DeploymentSecret
+    from kvfence.transports.core.secret import DeploymentSecret
 
     # Before any torch op here: only the devices' compute threads get intra-op threads (engine/compute.py).
     intra_op_threads = confine_to_one_intra_op_thread()

@@ -21,8 +21,8 @@ from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRecord, PairingRefused, Transport
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
-from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.transports.registry import create_transport
 
 log = logging.getLogger(__name__)

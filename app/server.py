@@ -31,7 +31,7 @@ from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.transports.base import PairingRefused, Transport
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
 
 log = logging.getLogger(__name__)
 

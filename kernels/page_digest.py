@@ -1,13 +1,13 @@
 """Page digests on the GPU: not implemented, on purpose. A CUDA pool's pages are digested on the host.
 
-What is digested (transports/digest.py): xxh3_64 over one whole page of the pool, all layers, K
+What is digested (transports/core/digest.py): xxh3_64 over one whole page of the pool, all layers, K
 and V: `page_nbytes` = page_size x 46,080 bytes for the default model in float32 (737,280 bytes at
 16 tokens per page), half that in bfloat16.
 
 What a CUDA pool does instead: every built-in transport moves host bytes, so a CUDA pool is staged
-through pinned host buffers (transports/staging.py). The sender digests the staged bytes it sends;
+through pinned host buffers (transports/core/staging.py). The sender digests the staged bytes it sends;
 the receiver digests the staged bytes that landed and copies them into its pool only when they
-verify (transports/receiver.py). Those are the bytes a digest has to cover. A digest computed on
+verify (transports/core/receiver.py). Those are the bytes a digest has to cover. A digest computed on
 the GPU would cover the pool instead: on the sending side it would not see the device-to-host copy,
 and on the receiving side it could only run after the copy into the pool, which is exactly what
 "verify, then copy" keeps a failed transfer from doing. It would also buy little: the host digests

@@ -2,7 +2,7 @@
 
 The scheduler's half of a transfer: mint the ids and the push's capability (a MAC with the
 deployment secret over the ids, the destination lease and pages and the receiver's incarnation,
-transports/peer_auth.py), arm the receiver with the manifest and the destination pages the server
+transports/core/secret.py), arm the receiver with the manifest and the destination pages the server
 chose, push, and wait for the receiver's verdict. Success needs the receiver's positive verdict;
 an error, a timeout or silence is a failure.
 """
@@ -18,7 +18,7 @@ from kvfence.scheduler.actions import MoveResult
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
 from kvfence.transports.base import Peer, TransferManifest, Transport
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
 
 log = logging.getLogger(__name__)
 

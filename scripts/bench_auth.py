@@ -30,8 +30,9 @@ import msgspec
 import torch
 
 from kvfence.transports.base import PairingRecord, TransferManifest, TransportUnavailable
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
+from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, DeploymentSecret
 from kvfence.transports.registry import create_transport
+from kvfence.transports.wire.handshake import MAGIC
 
 SECRET = DeploymentSecret.generate()
 PAGE_NBYTES = 46_080 * 16

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from kvfence.transports.data_plane import WriteState
-from kvfence.transports.mooncake_plane import MooncakePlane
+from kvfence.transports.onesided.data_plane import WriteState
+from kvfence.transports.onesided.mooncake.plane import MooncakePlane
 
 POOL_NBYTES = 256 << 20
 

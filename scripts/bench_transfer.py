@@ -47,9 +47,9 @@ import torch
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
 from kvfence.transports.base import PairingRecord, Peer, TransferManifest, Transport, TransportUnavailable
-from kvfence.transports.digest import page_digest
+from kvfence.transports.core.digest import page_digest
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.inprocess import InProcessHub
-from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.transports.registry import create_transport
 
 PAGE_TOKENS = 16

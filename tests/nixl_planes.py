@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.onesided import OneSidedTransport
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
+from kvfence.transports.onesided.transport import OneSidedTransport
 
 
 class WrappedNixlPlane(DataPlane):
@@ -18,7 +18,7 @@ class WrappedNixlPlane(DataPlane):
     delivers_notifications: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        from kvfence.transports.nixl_plane import NixlPlane  # needs nixl: import where used
+        from kvfence.transports.onesided.nixl.plane import NixlPlane  # needs nixl: import where used
 
         self.inner = NixlPlane()
 

@@ -9,7 +9,6 @@ import torch
 from anyio.abc import TaskGroup
 
 from kvfence.app.pairing import pair_workers, role_record
-from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
@@ -21,6 +20,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.request import State
 from kvfence.transports.base import Transport
+from kvfence.transports.core.secret import DeploymentSecret
 
 
 _compute: ComputeThread | None = None

@@ -7,8 +7,9 @@ pair as a whole. After that the sender pushes lists of source pages into lists o
 pages, each push described by a `TransferManifest`.
 
 Peers are authenticated: every endpoint is constructed with the deployment's secret
-(`secret=DeploymentSecret`, transports/peer_auth.py) and serves nothing to a peer that has not
-proved it holds the same one; the built-ins run peer_auth's handshake before any other byte.
+(`secret=DeploymentSecret`, transports/core/secret.py) and serves nothing to a peer that has not
+proved it holds the same one; the built-ins run the handshake of transports/wire/handshake.py
+before any other byte.
 
 Receiving is opt-in per transfer: the receiver `expect()`s a manifest and its destination pages
 (decided by the server, never by the sender) before the push; bytes for a transfer that is not
@@ -67,7 +68,7 @@ class TransferManifest(msgspec.Struct, frozen=True):
     num_pages: int
     digests: list[str] = []  # per source page, over the exact bytes sent ("" list when digest is "none")
     # MAC over (transfer_id, lease, nonce, num_tokens, num_pages, dst pages, receiver incarnation)
-    # with the deployment secret, minted where the transfer is planned (transports/peer_auth.py).
+    # with the deployment secret, minted where the transfer is planned (transports/core/secret.py).
     capability: str = ""
 
 

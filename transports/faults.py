@@ -48,7 +48,7 @@ from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest, TransferResult,
                                      Transport)
-from kvfence.transports.digest import page_digest
+from kvfence.transports.core.digest import page_digest
 
 FAULT_KINDS = ("drop", "delay", "corrupt", "truncate", "duplicate", "fail_post", "vanish", "late_write", "stuck",
                "reorder")

@@ -2,13 +2,13 @@
 
 Endpoints find each other through an explicit `InProcessHub` passed to their constructors (no
 global registry). A push copies each page tensor-to-tensor into the receiver's pool, through the
-same receiver state machine as TCP (`PoolReceiver`): only an expected, matching transfer is
+same receiver state machine as TCP (`Receiver`): only an expected, matching transfer is
 written, and it succeeds only when the digests recomputed over the landed pages equal the sender's
 (the manifest's, or when it has none, the ones computed over the copied source bytes).
 The pushing task yields to the event loop every `yield_every_bytes`, so `cancel` (checked before
 every page read) and other tasks interleave with large pushes.
 
-Pools on other devices are staged through host memory at both ends (staging.py): the sender
+Pools on other devices are staged through host memory at both ends (core/staging.py): the sender
 copies its source pages to a host buffer a chunk at a time, the receiver lands them in a host
 buffer of the transfer and copies them into its pool only once they verified.
 """
@@ -25,11 +25,11 @@ from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused, Peer, TransferManifest,
                                      TransferResult)
-from kvfence.transports.digest import page_digest
-from kvfence.transports.endpoint import PoolEndpoint, check_pair, pairing_problem
-from kvfence.transports.peer_auth import NONCE_BYTES, AuthenticationFailed, DeploymentSecret
-from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
-from kvfence.transports.staging import SourcePages
+from kvfence.transports.core.digest import page_digest
+from kvfence.transports.core.endpoint import Endpoint, check_pair, pairing_problem
+from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES
+from kvfence.transports.core.secret import NONCE_BYTES, AuthenticationFailed, DeploymentSecret
+from kvfence.transports.core.staging import SourcePages
 
 
 class InProcessHub:
@@ -59,7 +59,7 @@ class InProcessPeer(Peer):
         self.remote = remote
 
 
-class InProcessTransport(PoolEndpoint):
+class InProcessTransport(Endpoint):
     name: ClassVar[str] = "inprocess"
 
     def __init__(self, hub: InProcessHub, *, secret: DeploymentSecret, yield_every_bytes: int = 4 << 20,
@@ -79,7 +79,7 @@ class InProcessTransport(PoolEndpoint):
         return self._info
 
     def _challenge(self, connector_nonce: bytes) -> tuple[bytes, bytes]:
-        """The listening side of peer_auth's handshake, first step: a fresh nonce and our proof."""
+        """The listening side of the handshake (wire/handshake.py), first step: a fresh nonce and our proof."""
         listener_nonce = secrets.token_bytes(NONCE_BYTES)
         self._challenges[listener_nonce] = connector_nonce
         return listener_nonce, self.secret.proof("listener", self.name, connector_nonce, listener_nonce)
@@ -98,7 +98,7 @@ class InProcessTransport(PoolEndpoint):
         return problem
 
     async def pair(self, peer: EndpointInfo) -> Peer:
-        """Authenticate both ways (peer_auth's proofs, without a wire) and pair. PairingRefused on
+        """Authenticate both ways (core/secret.py's proofs, without a wire) and pair. PairingRefused on
         any mismatch (either side's verdict); AuthenticationFailed when either side does not prove
         the deployment secret; ConnectionRefusedError when no endpoint of this hub has that address."""
         if self._info is None or self._closed:
@@ -126,7 +126,7 @@ class InProcessTransport(PoolEndpoint):
                    dst_pages: list[int]) -> TransferResult:
         """Copy the pages and return the receiver's verdict ("cancelled" when `cancel` stopped
         it, "peer_lost" when the receiver closed, "transport_closed" when this endpoint did)."""
-        pool = self._check_push(manifest, src_pages, dst_pages)
+        pool_bytes = self._check_push(manifest, src_pages, dst_pages)
         if not isinstance(peer, InProcessPeer) or peer.owner is not self:
             raise ValueError("push to a peer this inprocess endpoint did not pair with")
         tid, remote = manifest.transfer_id, peer.remote
@@ -134,19 +134,19 @@ class InProcessTransport(PoolEndpoint):
             return TransferResult(tid, False, "peer_lost")
         rx = remote._started()[1]
         out = self._outgoing.add(tid)
-        adm = rx.admit(manifest, list(dst_pages), pool.page_nbytes)
+        adm = rx.admit(manifest, list(dst_pages), pool_bytes.page_nbytes)
         try:
-            source = SourcePages(pool, src_pages)
+            source = SourcePages(pool_bytes, src_pages)
             digests: list[str] = []
             since_yield = 0
             for index in range(len(src_pages)):
                 if out.cancelled or self._closed or not self._reachable(remote):
                     break
                 page = source.page_tensor(index)  # a staged pool's only read: right after the check
-                digests.append(page_digest(source.page(index), pool.digest))
+                digests.append(page_digest(source.page(index), pool_bytes.digest))
                 if (dst := rx.target_tensor(adm, index)) is not None:
                     dst.copy_(page)
-                since_yield += pool.page_nbytes
+                since_yield += pool_bytes.page_nbytes
                 if since_yield >= self.yield_every_bytes:
                     since_yield = 0
                     await anyio.lowlevel.checkpoint()
@@ -170,9 +170,7 @@ class InProcessTransport(PoolEndpoint):
         self._closed = True
         if self._info is not None:
             self.hub.unregister(self._info.address)
-        if self._receiver is not None:
-            self._receiver.close("transport_closed")
-        self._outgoing.settle_all("transport_closed")
+        self._fail_pending()
         self._paired.clear()
         self._remotes.clear()
         await anyio.lowlevel.checkpoint()

@@ -17,10 +17,10 @@ from kvfence.transports.base import Transport, TransportUnavailable
 ENTRY_POINT_GROUP = "kvfence.transports"
 
 _BUILTIN = (
-    ("tcp", "kvfence.transports.tcp:TcpTransport"),
+    ("tcp", "kvfence.transports.tcp.transport:TcpTransport"),
     ("inprocess", "kvfence.transports.inprocess:InProcessTransport"),
-    ("nixl", "kvfence.transports.nixl:NixlTransport"),
-    ("mooncake", "kvfence.transports.mooncake:MooncakeTransport"),
+    ("nixl", "kvfence.transports.onesided.nixl.transport:NixlTransport"),
+    ("mooncake", "kvfence.transports.onesided.mooncake.transport:MooncakeTransport"),
 )
 _EXTRAS = ("nixl", "mooncake")  # built-ins that need an optional dependency: kvfence[<name>]
 

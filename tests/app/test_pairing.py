@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvfence.app.pairing import pair_workers, role_record
-from kvfence.transports.peer_auth import DeploymentSecret
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.transports.base import PairingRefused
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.inprocess import InProcessHub
 
 pytestmark = pytest.mark.anyio

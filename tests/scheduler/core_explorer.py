@@ -1,5 +1,5 @@
 """An exhaustive, bounded explorer of the real scheduler core (scheduler/core.py), its lease tables
-and the transport receiver's state machine (transports/receiver_state.py).
+and the transport receiver's state machine (transports/core/receiver_state.py).
 
 A `World` is the core plus what stands around it, kept as small models of what they do to pages:
 each worker applies a message's releases, then its grants, then checks and writes the pages of
@@ -41,7 +41,7 @@ from kvfence.scheduler.messages import RunStep, StepDone, StepFailed, WorkerRepl
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.worker_binding import WorkerBinding
 from kvfence.transports.base import TransferManifest
-from kvfence.transports.receiver_state import ReceiverState
+from kvfence.transports.core.receiver_state import ReceiverState
 
 TOKEN = 7  # the token every step samples (never an EOS id of the tiny tokenizer)
 

@@ -20,10 +20,14 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.data_plane import WriteState
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
-from kvfence.transports.tcp import TcpTransport, split_address
-from kvfence.transports.tcp_wire import LEN_SIZE, Page, PushHeader, decode_frame, frame_length
+from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, DeploymentSecret
+from kvfence.transports.onesided.data_plane import WriteState
+from kvfence.transports.tcp.transport import TcpTransport
+from kvfence.transports.tcp.wire import Frame
+from kvfence.transports.wire.channel import split_address
+from kvfence.transports.wire.framing import LEN_SIZE, decode_frame, frame_length
+from kvfence.transports.wire.handshake import MAGIC
+from kvfence.transports.wire.messages import Page, PushHeader
 
 pytestmark = pytest.mark.anyio
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
@@ -91,7 +95,7 @@ class FlippingRelay:
                 prefix = self._read(conn, LEN_SIZE)
                 body = self._read(conn, frame_length(prefix))
                 upstream.sendall(prefix + body)
-                frame = decode_frame(body)
+                frame = decode_frame(body, Frame)
                 if isinstance(frame, PushHeader):
                     pushes, page_nbytes = pushes + 1, frame.page_nbytes
                 elif isinstance(frame, Page):

@@ -16,8 +16,8 @@ from serving_harness import start_serving_over, wait_idle
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.transports.data_plane import WriteState
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.onesided.data_plane import WriteState
 
 pytestmark = [pytest.mark.anyio,
               pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")]

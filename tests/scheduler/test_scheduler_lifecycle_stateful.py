@@ -31,8 +31,8 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.output import OutputDelta
 from kvfence.scheduler.page_ledger import PageLedger
-from kvfence.transports.data_plane import WriteState
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.onesided.data_plane import WriteState
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 PAGE_TOKENS = 4

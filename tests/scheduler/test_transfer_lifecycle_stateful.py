@@ -27,7 +27,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.page_ledger import PageLedger
 from kvfence.transports.base import TransferManifest
-from kvfence.transports.receiver_state import Admission, ReceiverState
+from kvfence.transports.core.receiver_state import Admission, ReceiverState
 
 NUM_PAGES = 16
 PAGE_NBYTES = 4096

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
-from kvfence.transports.data_plane import WriteState  # noqa: E402
-from kvfence.transports.mooncake_plane import MooncakeDescriptor, MooncakePlane, merge_ranges  # noqa: E402
+from kvfence.transports.onesided.data_plane import WriteState  # noqa: E402
+from kvfence.transports.onesided.mooncake.plane import MooncakeDescriptor, MooncakePlane, merge_ranges  # noqa: E402
 
 PAGE = 4096
 SMALL_NBYTES = 256 * PAGE  # the part of the pools the small-write tests use
@@ -212,7 +212,7 @@ def test_one_batch_failing_while_another_still_writes_keeps_the_write_pending(pa
     once. The small one is reported failed (its status is the one thing injected) while the other,
     64 MiB, is still really being written: the write stays PENDING, so nothing can be released,
     until that batch is terminal too; then it is FAILED, and the big range's bytes did land."""
-    from kvfence.transports import mooncake_plane
+    from kvfence.transports.onesided.mooncake import plane as mooncake_plane
 
     tx = MooncakePlane()
     tx.open(pair.src)

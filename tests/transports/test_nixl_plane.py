@@ -19,8 +19,8 @@ pytest.importorskip("nixl")
 
 from transport_harness import make_manifest, paired  # noqa: E402
 
-from kvfence.transports.data_plane import WriteState  # noqa: E402
-from kvfence.transports.nixl_plane import NixlPlane  # noqa: E402
+from kvfence.transports.onesided.data_plane import WriteState  # noqa: E402
+from kvfence.transports.onesided.nixl.plane import NixlPlane  # noqa: E402
 
 KIB = 1024
 
@@ -198,8 +198,8 @@ async def test_a_closed_nixl_transport_pair_leaves_no_native_thread_or_descripto
 
 def test_a_process_that_used_nixl_exits_cleanly() -> None:
     """Where libibverbs is installed but no RDMA device exists, UCX's InfiniBand module would crash
-    the process at exit (nixl_plane.py); the plane keeps it from loading."""
-    code = ("import torch\nfrom kvfence.transports.nixl_plane import NixlPlane\n"
+    the process at exit (onesided/nixl/plane.py); the plane keeps it from loading."""
+    code = ("import torch\nfrom kvfence.transports.onesided.nixl.plane import NixlPlane\n"
             "plane = NixlPlane()\nplane.open(torch.zeros(1024))\nplane.close()\n")
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)

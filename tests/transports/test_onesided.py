@@ -1,4 +1,4 @@
-"""The one-sided protocol (transports/onesided*.py) over a fake data plane whose writes stay
+"""The one-sided protocol (transports/onesided/) over a fake data plane whose writes stay
 PENDING until the test lands or fails them: when a cancel is acknowledged, what a failed write
 tells the receiver, that refused pushes post nothing, the "landed" path of planes without
 notifications, and an idle poller. The NIXL plane itself is tested for real in
@@ -17,9 +17,9 @@ import torch
 from transport_harness import TEST_SECRET, make_manifest, make_record, page_bytes, signed
 
 from kvfence.transports.base import Peer, TransferManifest, TransferResult, TransportUnavailable
-from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.onesided import OneSidedTransport
-from kvfence.transports.onesided_link import write_chunks
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
+from kvfence.transports.onesided.link import write_chunks
+from kvfence.transports.onesided.transport import OneSidedTransport
 
 pytestmark = pytest.mark.anyio
 PAGE = 4096  # bytes: pages of 1024 float32

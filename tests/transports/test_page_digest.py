@@ -7,7 +7,7 @@ import os
 import pytest
 import xxhash
 
-from kvfence.transports.digest import new_hasher, page_digest, supported_digests
+from kvfence.transports.core.digest import new_hasher, page_digest, supported_digests
 
 
 def test_supported() -> None:

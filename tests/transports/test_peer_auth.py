@@ -16,10 +16,12 @@ from transport_harness import (TEST_SECRET, make_manifest, make_record, paired, 
                                recv_exactly, recv_until_closed, signed)
 
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, AuthenticationFailed, DeploymentSecret
-from kvfence.transports.tcp import split_address
-from kvfence.transports.tcp_wire import (LEN_SIZE, Hello, HelloReply, Page, Ping, PushHeader, decode_frame,
-                                          encode_frame, frame_length)
+from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, AuthenticationFailed, DeploymentSecret
+from kvfence.transports.tcp.wire import Frame
+from kvfence.transports.wire.channel import split_address
+from kvfence.transports.wire.framing import LEN_SIZE, decode_frame, encode_frame, frame_length
+from kvfence.transports.wire.handshake import MAGIC
+from kvfence.transports.wire.messages import Hello, HelloReply, Page, Ping, PushHeader
 
 pytestmark = pytest.mark.anyio
 LISTENING = ["tcp", "nixl", "mooncake"]  # the transports with a listening socket
@@ -39,7 +41,7 @@ def frames(data: bytes) -> list[object]:
     out = []
     while data:
         n = frame_length(data[:LEN_SIZE])
-        out.append(decode_frame(data[LEN_SIZE:LEN_SIZE + n]))
+        out.append(decode_frame(data[LEN_SIZE:LEN_SIZE + n], Frame))
         data = data[LEN_SIZE + n:]
     return out
 

@@ -6,7 +6,7 @@ import pytest
 from transport_harness import make_manifest
 
 from kvfence.transports.base import TransferResult
-from kvfence.transports.receiver_state import ReceiverState
+from kvfence.transports.core.receiver_state import ReceiverState
 
 
 def state(remember: int = 100) -> ReceiverState:

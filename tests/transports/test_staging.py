@@ -12,50 +12,50 @@ import torch
 from transport_harness import (STAGE_CHUNK_PAGES, digests_of, make_manifest, make_record, page_bytes, paired, signed,
                                split_kind)
 
-from kvfence.transports import staging
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.receiver import PoolReceiver
-from kvfence.transports.receiver_state import Admission
+from kvfence.transports.core import staging
+from kvfence.transports.core.pool_bytes import PoolBytes
+from kvfence.transports.core.receiver import Receiver
+from kvfence.transports.core.receiver_state import Admission
 
 pytestmark = pytest.mark.anyio
 STAGED = ["tcp+staged", "inprocess+staged"]
 BIG = 1 << 18  # floats per page: 16 x 1 MiB pushes are still running when a test acts (see lifecycle)
 
 
-def staged_receiver(num_pages: int = 4) -> tuple[PoolReceiver, torch.Tensor]:
+def staged_receiver(num_pages: int = 4) -> tuple[Receiver, torch.Tensor]:
     pool = torch.zeros(num_pages, 1024)
-    return PoolReceiver(PoolView(pool, make_record(), stage_through_host=True)), pool
+    return Receiver(PoolBytes(pool, make_record(), stage_through_host=True)), pool
 
 
-def land(rx: PoolReceiver, adm: Admission, pages: torch.Tensor) -> None:
+def land(rx: Receiver, adm: Admission, pages: torch.Tensor) -> None:
     for index in range(pages.shape[0]):
         target = rx.target(adm, index)
         assert target is not None
         target[:] = pages[index].numpy().tobytes()
 
 
-# -- PoolView --------------------------------------------------------------------------------
+# -- PoolBytes -------------------------------------------------------------------------------
 def test_a_pool_that_is_not_on_the_cpu_is_accepted_and_staged() -> None:
     meta = torch.empty(4, 1024, device="meta")  # stands in for a CUDA pool on this machine
-    view = PoolView(meta, make_record())
+    view = PoolBytes(meta, make_record())
     assert view.staged and view.device.type == "meta" and (view.num_pages, view.page_nbytes) == (4, 4096)
     with pytest.raises(RuntimeError, match="staged"):
         view.page(0)  # no host bytes: only staging.copy_pages moves them
     with pytest.raises(ValueError, match="staged"):
-        PoolView(meta, make_record(), stage_through_host=False)
+        PoolBytes(meta, make_record(), stage_through_host=False)
     with pytest.raises(ValueError, match="dtype"):  # dtype and page size are checked on any device
-        PoolView(torch.empty(4, 2048, dtype=torch.float16, device="meta"), make_record())
+        PoolBytes(torch.empty(4, 2048, dtype=torch.float16, device="meta"), make_record())
     with pytest.raises(ValueError, match="bytes"):
-        PoolView(torch.empty(4, 512, device="meta"), make_record())
-    assert PoolView(torch.empty(4, 2048, dtype=torch.bfloat16, device="meta"), make_record(dtype="bfloat16")).staged
+        PoolBytes(torch.empty(4, 512, device="meta"), make_record())
+    assert PoolBytes(torch.empty(4, 2048, dtype=torch.bfloat16, device="meta"), make_record(dtype="bfloat16")).staged
 
 
 def test_a_cpu_pool_is_used_in_place_unless_staging_is_forced() -> None:
     pool = torch.zeros(4, 1024)
-    assert not PoolView(pool, make_record()).staged
-    forced = PoolView(pool, make_record(), stage_through_host=True, stage_chunk_bytes=10_000)
+    assert not PoolBytes(pool, make_record()).staged
+    forced = PoolBytes(pool, make_record(), stage_through_host=True, stage_chunk_bytes=10_000)
     assert forced.staged and forced.stage_chunk_pages == 2
-    assert PoolView(pool, make_record(), stage_through_host=True, stage_chunk_bytes=1).stage_chunk_pages == 1
+    assert PoolBytes(pool, make_record(), stage_through_host=True, stage_chunk_bytes=1).stage_chunk_pages == 1
     with pytest.raises(RuntimeError):
         forced.page(0)
 
@@ -74,7 +74,7 @@ def test_page_runs_coalesce_pages_consecutive_on_both_sides() -> None:
 
 def test_source_pages_stage_only_the_named_pages_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     memory = torch.randn(10, 1024)
-    pool = PoolView(memory, make_record(), stage_through_host=True, stage_chunk_bytes=3 * 4096)
+    pool = PoolBytes(memory, make_record(), stage_through_host=True, stage_chunk_bytes=3 * 4096)
     reads: list[list[int]] = []
     copy = staging.copy_pages
 
@@ -96,7 +96,7 @@ def test_source_pages_stage_only_the_named_pages_a_chunk_at_a_time(monkeypatch: 
 
 def test_source_pages_of_a_host_pool_are_its_own_pages() -> None:
     memory = torch.randn(4, 1024)
-    source = staging.SourcePages(PoolView(memory, make_record()), [2, 0])
+    source = staging.SourcePages(PoolBytes(memory, make_record()), [2, 0])
     source.page(0)[:4] = b"\x00\x00\x80\x7f"  # a view of the pool: no copy
     assert memory[2, 0].item() == float("inf")
 
@@ -208,7 +208,7 @@ async def test_rejected_pushes_get_no_staging() -> None:
 
 
 async def test_a_failed_copy_into_the_pool_fails_the_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvfence.transports.receiver as receiver_module
+    import kvfence.transports.core.receiver as receiver_module
 
     def broken(*args: object) -> None:
         raise RuntimeError("device copy failed")
@@ -231,9 +231,9 @@ async def test_a_failed_copy_into_the_pool_fails_the_transfer(monkeypatch: pytes
 async def test_the_staged_kinds_really_stage(kind: str) -> None:
     async with paired(kind) as p:
         for endpoint in (p.tx, p.rx):
-            assert endpoint._pool.staged  # type: ignore[attr-defined]
+            assert endpoint._pool_bytes.staged  # type: ignore[attr-defined]
             with pytest.raises(RuntimeError):
-                endpoint._pool.page(0)  # type: ignore[attr-defined]
+                endpoint._pool_bytes.page(0)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("kind", STAGED)
@@ -291,7 +291,7 @@ async def test_cuda_pools_are_staged_automatically(kind: str) -> None:
     assert split_kind(kind) == (kind, False)  # no forcing: the device alone decides
     devices = ("cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
     async with paired(kind, devices=devices) as p:
-        assert p.tx._pool.staged and p.rx._pool.staged  # type: ignore[attr-defined]
+        assert p.tx._pool_bytes.staged and p.rx._pool_bytes.staged  # type: ignore[attr-defined]
         src_pages, dst_pages = [5, 6, 7, 20, 0], [31, 2, 3, 4, 9]
         _, result = await p.expect_and_push(src_pages, dst_pages)
         assert result.ok, result

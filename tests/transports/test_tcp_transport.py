@@ -14,9 +14,13 @@ from transport_harness import (TEST_SECRET, make_manifest, make_record, page_byt
                                recv_exactly, recv_until_closed)
 
 from kvfence.transports.base import EndpointInfo, PairingRefused
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES
-from kvfence.transports.tcp import TcpTransport, split_address
-from kvfence.transports.tcp_wire import LEN_SIZE, Hello, HelloReply, decode_frame, encode_frame, frame_length
+from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES
+from kvfence.transports.tcp.transport import TcpTransport
+from kvfence.transports.tcp.wire import Frame
+from kvfence.transports.wire.channel import split_address
+from kvfence.transports.wire.framing import LEN_SIZE, decode_frame, encode_frame, frame_length
+from kvfence.transports.wire.handshake import MAGIC
+from kvfence.transports.wire.messages import Hello, HelloReply
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +40,7 @@ async def test_listener_refuses_a_foreign_transport_and_hangs_up() -> None:
         hello = Hello(EndpointInfo("carrier-pigeon", "nowhere:1", make_record()))
         reply_bytes = await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, encode_frame(hello), True)
         n = frame_length(reply_bytes[:LEN_SIZE])
-        reply = decode_frame(reply_bytes[LEN_SIZE:LEN_SIZE + n])
+        reply = decode_frame(reply_bytes[LEN_SIZE:LEN_SIZE + n], Frame)
         assert isinstance(reply, HelloReply) and not reply.accepted
         assert "transport" in reply.reason and reply.info == p.rx_info
         assert len(reply_bytes) == LEN_SIZE + n  # nothing after the refusal: the connection closed

@@ -11,7 +11,7 @@ import torch
 from transport_harness import KINDS, digests_of, make_manifest, make_record, paired, signed
 
 from kvfence.transports.base import EndpointInfo, PairingRefused, TransferResult
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
 
 pytestmark = pytest.mark.anyio
 

@@ -20,7 +20,7 @@ import torch
 from transport_harness import KINDS, Pair, make_manifest, page_bytes, paired
 
 from kvfence.transports.base import TransferManifest, TransferResult
-from kvfence.transports.tcp import split_address
+from kvfence.transports.wire.channel import split_address
 
 pytestmark = pytest.mark.anyio
 BIG = 1 << 18  # floats per page: 1 MiB pages

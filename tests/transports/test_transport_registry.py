@@ -9,9 +9,9 @@ import pytest
 
 from kvfence.transports import registry
 from kvfence.transports.base import TransportUnavailable
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.inprocess import InProcessHub, InProcessTransport
-from kvfence.transports.peer_auth import DeploymentSecret
-from kvfence.transports.tcp import TcpTransport
+from kvfence.transports.tcp.transport import TcpTransport
 
 
 def test_builtins_resolve_and_create() -> None:
@@ -38,7 +38,8 @@ def test_unknown_name_lists_the_known_ones() -> None:
 def test_missing_optional_transport_gives_the_install_hint(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Hide the optional package even where it is installed: None in sys.modules fails its import,
     # and the transport modules that imported it already are forgotten (monkeypatch restores both).
-    for module in [m for m in sys.modules if m.split(".")[0] == name or m.startswith(f"kvfence.transports.{name}")]:
+    ours = f"kvfence.transports.onesided.{name}"
+    for module in [m for m in sys.modules if m.split(".")[0] == name or m.startswith(ours)]:
         monkeypatch.delitem(sys.modules, module)
     monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(TransportUnavailable, match=rf"pip install 'kvfence\[{name}\]'"):
@@ -48,9 +49,9 @@ def test_missing_optional_transport_gives_the_install_hint(name: str, monkeypatc
 def test_entry_point_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     group = registry.ENTRY_POINT_GROUP
     plugins = [
-        EntryPoint("fancy", "kvfence.transports.tcp:TcpTransport", group),
+        EntryPoint("fancy", "kvfence.transports.tcp.transport:TcpTransport", group),
         EntryPoint("broken", "kvfence_no_such_module:Thing", group),
-        EntryPoint("notatransport", "kvfence.transports.digest:page_digest", group),
+        EntryPoint("notatransport", "kvfence.transports.core.digest:page_digest", group),
         EntryPoint("tcp", "kvfence.transports.inprocess:InProcessTransport", group),
     ]
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep for ep in plugins if ep.group == group])

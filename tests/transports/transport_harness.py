@@ -33,10 +33,11 @@ import pytest
 import torch
 
 from kvfence.transports.base import EndpointInfo, PairingRecord, Peer, TransferManifest, Transport
-from kvfence.transports.digest import page_digest
+from kvfence.transports.core.digest import page_digest
+from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, DeploymentSecret
 from kvfence.transports.inprocess import InProcessHub
-from kvfence.transports.peer_auth import MAC_BYTES, MAGIC, NONCE_BYTES, DeploymentSecret
 from kvfence.transports.registry import create_transport
+from kvfence.transports.wire.handshake import MAGIC
 
 # The deployment secret every endpoint these tests make shares (tests of a stranger make their own).
 TEST_SECRET = DeploymentSecret.generate()

@@ -1,12 +1,12 @@
 """`MooncakeTransport`: KV pages by Mooncake transfer-engine batch WRITEs (P2PHANDSHAKE metadata;
 the `tcp` protocol by default, `rdma` selectable with device names), paired and steered over a
-small TCP control channel. The protocol is onesided.py's; the byte moving, and what the engine
-does and does not guarantee, is mooncake_plane.py's. Needs the Mooncake transfer engine
+small TCP control channel. The protocol is onesided/transport.py's; the byte moving, and what the
+engine does and does not guarantee, is mooncake/plane.py's. Needs the Mooncake transfer engine
 (pip install 'kvfence[mooncake]') and Debian's libibverbs1, librdmacm1 and libnuma1.
 
 A Mooncake write carries no notification, so the sender tells the receiver "landed" on the
 control channel only once every write is DONE: the manifest's completion can never overtake the
-data it describes. Pools must be on the CPU (see nixl.py for why staging does not apply).
+data it describes. Pools must be on the CPU (see nixl/transport.py for why staging does not apply).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 # the install hint, transports/registry.py) where the engine or its system libraries are missing.
 import mooncake.engine  # noqa: F401
 
-from kvfence.transports.mooncake_plane import MooncakePlane
-from kvfence.transports.onesided import OneSidedTransport
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.onesided.mooncake.plane import MooncakePlane
+from kvfence.transports.onesided.transport import OneSidedTransport
 
 
 class MooncakeTransport(OneSidedTransport):

@@ -9,7 +9,7 @@ the push, nothing more is posted or read. Writes are polled by the transport's p
 (`poll_writes`); a push waits for its write in flight to be terminal before it returns, even when
 its task is cancelled (then at most `cancel_ack_timeout_s`, shielded, after which the link is
 dropped: its receiver cannot trust the pair any more). Every push that was announced and not
-answered ends with an Abort, sent once its writes are terminal.
+answered ends with a PushAbort, sent once its writes are terminal.
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ import anyio
 import anyio.lowlevel
 
 from kvfence.transports.base import TransferManifest, TransferResult
-from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.onesided_link import Link, Sending, Write, wait_any, write_chunks
-from kvfence.transports.onesided_wire import Abort, Announce, Cancel, Go, Landed, Message, Ping, Stop, Verdict
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.sender_state import OutgoingPush, OutgoingPushes
-from kvfence.transports.tcp_wire import ProtocolError
+from kvfence.transports.core.pool_bytes import PoolBytes
+from kvfence.transports.core.sender_state import OutgoingPush, OutgoingPushes
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
+from kvfence.transports.onesided.link import Link, Sending, Write, wait_any, write_chunks
+from kvfence.transports.onesided.wire import Message
+from kvfence.transports.wire.framing import ProtocolError
+from kvfence.transports.wire.messages import Cancel, Go, Landed, Ping, PushAbort, PushHeader, Stop, Verdict
 
 log = logging.getLogger(__name__)
 
 
 def _as_receiver_sees(out: OutgoingPush) -> str:
-    """The reason an Abort tells the receiver (this endpoint closing is "peer_lost" there)."""
+    """The reason a PushAbort tells the receiver (this endpoint closing is "peer_lost" there)."""
     assert out.result is not None
     return "cancelled" if out.cancelled else "peer_lost" if out.result.reason == "transport_closed" \
         else out.result.reason
@@ -54,7 +55,7 @@ class SenderHalf:
         # until the poller sees that write terminal: what `cancel` and `wait_quiet` consult then
         self.unsettled: dict[str, Write] = {}
 
-    async def push(self, link: Link, pool: PoolView, manifest: TransferManifest, src_pages: list[int],
+    async def push(self, link: Link, pool_bytes: PoolBytes, manifest: TransferManifest, src_pages: list[int],
                    dst_pages: list[int]) -> TransferResult:
         tid = manifest.transfer_id
         if not link.alive:
@@ -62,54 +63,54 @@ class SenderHalf:
         out = self.outgoing.add(tid)
         sending = self.sending[tid] = Sending(out, link)
         try:
-            return await self._push(sending, pool, manifest, src_pages, dst_pages)
+            return await self._push(sending, pool_bytes, manifest, src_pages, dst_pages)
         finally:
             del self.sending[tid]
             self.outgoing.remove(out)
 
-    async def _push(self, s: Sending, pool: PoolView, manifest: TransferManifest, src: list[int],
+    async def _push(self, s: Sending, pool_bytes: PoolBytes, manifest: TransferManifest, src: list[int],
                     dst: list[int]) -> TransferResult:
         out, link, tid = s.out, s.link, manifest.transfer_id
-        digests = [] if manifest.digests else await self._source_digests(pool, src, out)
+        digests = [] if manifest.digests else await self._source_digests(pool_bytes, src, out)
         if out.result is not None:  # stopped before announcing anything
             if out.cancelled:
                 link.send(Cancel(tid))  # the receiver drops the expectation
             return out.result
-        link.send(Announce(manifest, dst, pool.page_nbytes, digests))
+        link.send(PushHeader(manifest, dst, pool_bytes.page_nbytes, digests))
         try:
             await wait_any(s.go, out.done)
-            if s.go.is_set() and out.result is None and await self._write(s, pool, src, dst, tid) \
+            if s.go.is_set() and out.result is None and await self._write(s, pool_bytes, src, dst, tid) \
                     and out.result is None:
                 if not self.plane.delivers_notifications:
                     link.send(Landed(tid))  # every write is DONE: it cannot overtake the data
                 await out.done.wait()
         except anyio.get_cancelled_exc_class():
             if not s.answered:  # `_write` returned only once its write was terminal
-                link.send(Abort(tid, "cancelled"))
+                link.send(PushAbort(tid, "cancelled"))
             raise
         assert out.result is not None
         if not s.answered:  # stopped, failed or closing: no further byte of this push can land
-            link.send(Abort(tid, _as_receiver_sees(out)))
+            link.send(PushAbort(tid, _as_receiver_sees(out)))
         return out.result
 
-    async def _source_digests(self, pool: PoolView, src: list[int], out: OutgoingPush) -> list[str]:
+    async def _source_digests(self, pool_bytes: PoolBytes, src: list[int], out: OutgoingPush) -> list[str]:
         """Digests over the source pages as they are now (what the writes will read)."""
         digests, since = [], 0
         for page in src:
             if out.result is not None:  # right before each read of a source page
                 break
-            digests.append(pool.digest_of(page))
-            since += pool.page_nbytes
+            digests.append(pool_bytes.digest_of(page))
+            since += pool_bytes.page_nbytes
             if since >= self.write_chunk_bytes:
                 since = 0
                 await anyio.lowlevel.checkpoint()
         return digests
 
-    async def _write(self, s: Sending, pool: PoolView, src: list[int], dst: list[int], tid: str) -> bool:
+    async def _write(self, s: Sending, pool_bytes: PoolBytes, src: list[int], dst: list[int], tid: str) -> bool:
         """Post the push's writes one after the other; True when every one is DONE. False when
         the push was settled meanwhile or a write failed (settled "write_failed"); either way
         no write of the push is in flight on return."""
-        chunks = write_chunks(src, dst, pool.page_nbytes, self.write_chunk_bytes)
+        chunks = write_chunks(src, dst, pool_bytes.page_nbytes, self.write_chunk_bytes)
         for index, ranges in enumerate(chunks):
             if s.out.result is not None:  # right before the post: nothing awaits in between
                 return False

@@ -1,18 +1,19 @@
 """`TcpTransport`: KV pages over plain TCP (loopback or LAN), no extra dependencies.
 
 Every endpoint listens (it can receive); `pair(peer)` opens one connection from this endpoint to
-the peer's listener, runs the mutual authentication of peer_auth.py (a peer without the deployment
+the peer's listener, runs the mutual authentication of wire/handshake.py (a peer without the deployment
 secret gets nothing more, not even the pairing record), and exchanges Hello/HelloReply: the
 listener refuses a different transport or
 any byte-defining record mismatch, and the connecting side re-checks the reply (record, and that
 the peer's incarnation is the one it was told about). Pushes then flow connector -> listener on
-that connection, several at once (see tcp_send). Wire format: tcp_wire; byte moving: tcp_io.
+that connection, several at once (see tcp/send.py). Protocol: tcp/wire.py; byte moving:
+wire/channel.py; listening, dialing and the Hello exchange: wire/listening.py.
 
 Digests: a push whose manifest carries digests is verified against those; one whose manifest has
 none (`digests=[]`) is verified against the digests the sender computes, per page, over exactly
 the bytes it sent (with the paired algorithm).
 
-A pool that is not on the CPU is staged through host memory (staging.py; `stage_through_host`).
+A pool that is not on the CPU is staged through host memory (core/staging.py; `stage_through_host`).
 
 A lost connection is not re-established: its pushes fail with "peer_lost", later pushes to that
 peer return "peer_lost" at once, and `health()` stays False until the peer is paired again.
@@ -20,23 +21,20 @@ peer return "peer_lost" at once, and `health()` stays False until the peer is pa
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Awaitable, Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
-import anyio
 import torch
 from anyio.abc import TaskGroup
 
-from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest,
-                                     TransferResult, TransportUnavailable)
-from kvfence.transports.endpoint import ListeningEndpoint
-from kvfence.transports.peer_auth import DeploymentSecret
-from kvfence.transports.pool_view import DEFAULT_STAGE_CHUNK_BYTES
-from kvfence.transports.tcp_io import Channel, accept_forever, connect, listen
-from kvfence.transports.tcp_receive import serve_connection
-from kvfence.transports.tcp_send import SenderConnection
-from kvfence.transports.tcp_wire import MAX_HELLO, Hello, Ping
+from kvfence.transports.base import EndpointInfo, PairingRecord, Peer, TransferManifest, TransferResult
+from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.tcp.receive import serve_connection
+from kvfence.transports.tcp.send import SenderConnection
+from kvfence.transports.tcp.wire import MAX_HELLO, Frame
+from kvfence.transports.wire.channel import Channel
+from kvfence.transports.wire.listening import ListeningEndpoint
+from kvfence.transports.wire.messages import Ping
 
 
 class TcpPeer(Peer):
@@ -44,25 +42,6 @@ class TcpPeer(Peer):
         self.owner = owner
         self.info = info
         self.connection = connection
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """"host:port" or "[v6 host]:port" -> (host, port); ValueError otherwise."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"not a host:port address: {address!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def listen_endpoint(name: str, host: str, port: int, record: PairingRecord) -> tuple[socket.socket, EndpointInfo]:
-    """A listening socket on host:port (0: ephemeral) and the EndpointInfo that names it.
-    TransportUnavailable when the address cannot be bound."""
-    try:
-        listener = listen(host, port)
-    except OSError as e:
-        raise TransportUnavailable(f"{name} transport cannot listen on {host}:{port}: {e}") from e
-    shown = f"[{host}]" if ":" in host else host
-    return listener, EndpointInfo(name, f"{shown}:{listener.getsockname()[1]}", record)
 
 
 async def _ping(channel: Channel) -> None:
@@ -74,6 +53,8 @@ async def _ping(channel: Channel) -> None:
 
 class TcpTransport(ListeningEndpoint):
     name: ClassVar[str] = "tcp"
+    _messages: ClassVar[Any] = Frame
+    _max_hello_bytes: ClassVar[int] = MAX_HELLO
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
                  handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
@@ -81,18 +62,16 @@ class TcpTransport(ListeningEndpoint):
                  stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
         """`host`/`port`: where it listens (loopback unless told otherwise; 0: an ephemeral port).
         `secret`, `handshake_timeout_s`, `keepalive_s`, `max_connections`: see ListeningEndpoint."""
-        super().__init__(secret=secret, handshake_timeout_s=handshake_timeout_s, keepalive_s=keepalive_s,
-                         max_connections=max_connections, stage_through_host=stage_through_host,
-                         stage_chunk_bytes=stage_chunk_bytes)
-        self.host, self.port = host, port
-        self._listener: socket.socket | None = None
+        super().__init__(host, port, secret=secret, handshake_timeout_s=handshake_timeout_s,
+                         keepalive_s=keepalive_s, max_connections=max_connections,
+                         stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
         self._peers: dict[str, SenderConnection] = {}  # by peer address
         self._accepted: set[Channel] = set()
 
     async def start(self, task_group: TaskGroup, memory: torch.Tensor, record: PairingRecord) -> EndpointInfo:
         """Register the pool, listen on host:port (0: ephemeral) and serve in `task_group`."""
         self._register(memory, record)
-        self._listener, self._info = listen_endpoint(self.name, self.host, self.port, record)
+        self._listen(record)
         try:
             await task_group.start(self._serve)
         except BaseException:
@@ -100,21 +79,14 @@ class TcpTransport(ListeningEndpoint):
             raise
         return self._info
 
-    def _loops(self) -> list[Callable[[], Awaitable[None]]]:
-        return [self._accept_loop]
-
     def _stop_serving(self) -> None:
         self._close_sockets()
 
-    async def _accept_loop(self) -> None:
-        assert self._listener is not None and self._tg is not None
-        await accept_forever(self._listener, lambda sock: self._on_accept(sock, self._serve_one))
-
-    async def _serve_one(self, channel: Channel) -> None:
+    async def _serve_connection(self, channel: Channel) -> None:
         _, receiver = self._started()
         self._accepted.add(channel)
         try:
-            await serve_connection(channel, self.info, receiver, self.handshake_timeout_s, self._authenticate,
+            await serve_connection(channel, receiver, lambda: self._answer_hello(channel),
                                    lambda: self._keep_alive(channel, lambda: _ping(channel), "receiving connection"))
         finally:
             self._accepted.discard(channel)
@@ -124,14 +96,8 @@ class TcpTransport(ListeningEndpoint):
         (either side's verdict); AuthenticationFailed (a ConnectionError) when the peer does not
         prove the deployment secret; OSError (ConnectionError) when unreachable or not speaking
         this protocol (a listener that refused us just closes); TimeoutError when the handshake stalls."""
-        self._check_pairable(peer)
-        channel = Channel(await connect(*split_address(peer.address)))
-        try:  # ProtocolError (an undecodable reply) is a ConnectionError too
-            with anyio.fail_after(self.handshake_timeout_s):
-                await self._connect_authenticated(channel, peer)
-                async with channel.send_lock:
-                    await channel.send_frame(Hello(self.info))
-                reply = self._check_hello_reply(peer, await channel.recv_frame(MAX_HELLO))
+        channel, reply = await self._dial(peer)
+        try:
             connection = SenderConnection(channel, reply.info)
             self._tg.start_soon(connection.run)
             self._keep_alive(channel, lambda: _ping(channel), f"connection to {peer.address}")
@@ -148,28 +114,24 @@ class TcpTransport(ListeningEndpoint):
         """Send the pages and return the receiver's verdict ("cancelled" when `cancel` stopped
         it, "peer_lost" / "transport_closed" when the connection went away first). ValueError
         on bad arguments or a peer not paired by this endpoint."""
-        pool = self._check_push(manifest, src_pages, dst_pages)
+        pool_bytes = self._check_push(manifest, src_pages, dst_pages)
         if not isinstance(peer, TcpPeer) or peer.owner is not self:
             raise ValueError("push to a peer this tcp endpoint did not pair with")
         out = self._outgoing.add(manifest.transfer_id)
         try:
-            return await peer.connection.push(out, pool, manifest, list(src_pages), list(dst_pages))
+            return await peer.connection.push(out, pool_bytes, manifest, list(src_pages), list(dst_pages))
         finally:
             self._outgoing.remove(out)
 
     async def health(self) -> bool:
         """The listener is up and serving, and every paired connection is alive."""
-        return (self._listener is not None and self._listener.fileno() != -1 and self._tg is not None
-                and not self._closed and not self._stopped.is_set()
-                and all(c.alive for c in self._peers.values()))
+        return self._serving() and all(c.alive for c in self._peers.values())
 
     async def aclose(self) -> None:
         """Fail everything pending ("transport_closed"), stop the tasks, close every socket."""
         if not self._closed:
             self._closed = True
-            if self._receiver is not None:
-                self._receiver.close("transport_closed")
-            self._outgoing.settle_all("transport_closed")
+            self._fail_pending()
             if self._tg is not None:  # _serve closes the sockets on its way out
                 self._tg.cancel_scope.cancel()
             else:
@@ -182,6 +144,4 @@ class TcpTransport(ListeningEndpoint):
             connection.lose("transport_closed")
         for channel in list(self._accepted):
             channel.close()
-        if self._listener is not None and self._listener.fileno() != -1:
-            anyio.notify_closing(self._listener)
-            self._listener.close()
+        self._close_listener()

@@ -3,7 +3,7 @@ worker's pool memory, connects to peers' registered memory, posts WRITEs of loca
 a peer's memory, and reports each write's state.
 
 A data plane knows nothing of pages, manifests, leases or digests: the transport above it
-(`onesided.py`) decides which bytes go where, and only after the receiver admitted the transfer
+(onesided/transport.py) decides which bytes go where, and only after the receiver admitted the transfer
 over the control channel. A WRITE is one-sided, so the receiver cannot refuse bytes once it said
 "go": that is why a receiver's cancel after "go" is acknowledged only when the sender reports every
 handle terminal (or the write's arrival is seen), and stays unacknowledged (pages quarantined) if

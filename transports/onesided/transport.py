@@ -1,13 +1,13 @@
 """`OneSidedTransport`: page bytes move by one-sided WRITEs through a `DataPlane` (NIXL,
-Mooncake); a small TCP control channel (onesided_wire, over tcp_io) pairs endpoints and decides,
+Mooncake); a small TCP control channel (onesided/wire.py, over wire/) pairs endpoints and decides,
 per push, whether and when the sender may write.
 
-Pairing is tcp's: first the mutual authentication of peer_auth.py (a peer that does not prove the
-deployment secret gets nothing: no record, no plane descriptor), then the connecting side sends
-its EndpointInfo, the listener refuses another
-transport or any byte-defining record mismatch (naming the field), else answers with its own
-info and its plane descriptor; the connecting side re-checks the record and the incarnation and
-`connect`s its plane to the listener's registered pool.
+Pairing is tcp's (wire/listening.py): first the mutual authentication of wire/handshake.py (a
+peer that does not prove the deployment secret gets nothing: no record, no plane descriptor),
+then the connecting side sends its EndpointInfo, the listener refuses another transport or any
+byte-defining record mismatch (naming the field), else answers with its own info and its plane
+descriptor; the connecting side re-checks the record and the incarnation and `connect`s its
+plane to the listener's registered pool.
 
 A push: the sender announces the manifest and dst pages; the receiver `admit`s it against what it
 expected (nothing expected, a duplicate or any mismatch is refused and nothing is written) and
@@ -15,7 +15,7 @@ answers "go"; only then does the sender post writes of its source page ranges in
 ranges (pages consecutive on both sides merged), `write_chunk_bytes` at a time, each posted once
 the previous one is DONE. The last write carries the transfer id as its notification (or, for a
 plane without notifications, the sender sends "landed" once it is DONE); on that the receiver
-recomputes the digests over the landed pages (`PoolReceiver.finish`) and answers with the
+recomputes the digests over the landed pages (`Receiver.finish`) and answers with the
 verdict, which `push` returns. A write that fails (or fails to post) is reported to the receiver
 at once ("write_failed"). As with tcp into a host pool, a push that fails verification leaves its
 bytes in its dst pages: the verdict is what says they are not KV.
@@ -37,9 +37,9 @@ neither is built yet.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
 
 import anyio
 import torch
@@ -47,16 +47,16 @@ from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
-from kvfence.transports.data_plane import DataPlane, WriteState
-from kvfence.transports.endpoint import ListeningEndpoint
-from kvfence.transports.onesided_link import Link
-from kvfence.transports.onesided_receive import ReceiverHalf, answer_hello
-from kvfence.transports.onesided_send import SenderHalf
-from kvfence.transports.onesided_wire import MAX_HELLO, Hello, Ping, recv_message, send_message
-from kvfence.transports.peer_auth import DeploymentSecret
-from kvfence.transports.tcp import listen_endpoint, split_address
-from kvfence.transports.tcp_io import Channel, ConnectionGone, accept_forever, connect
-from kvfence.transports.tcp_wire import ProtocolError
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
+from kvfence.transports.onesided.link import Link
+from kvfence.transports.onesided.receive import ReceiverHalf
+from kvfence.transports.onesided.send import SenderHalf
+from kvfence.transports.onesided.wire import MAX_HELLO, Message
+from kvfence.transports.wire.channel import Channel, ConnectionGone
+from kvfence.transports.wire.framing import ProtocolError
+from kvfence.transports.wire.listening import ListeningEndpoint
+from kvfence.transports.wire.messages import Ping
 
 log = logging.getLogger(__name__)
 LINGER_POLL_S = 0.01  # how often a plane is progressed for pushes that ended unproven only
@@ -81,27 +81,28 @@ class OneSidedTransport(ListeningEndpoint):
     endpoint, not yet opened). `host`/`port`: where the control channel listens (port 0: an
     ephemeral one). `write_chunk_bytes`: the most a single write of a push moves (at least a
     page): it bounds how long one post or poll can hold the event loop where the plane copies
-    inside the call (see nixl_plane), and how much a cancelled push still moves."""
+    inside the call (see nixl/plane.py), and how much a cancelled push still moves."""
+
+    _messages: ClassVar[Any] = Message
+    _max_hello_bytes: ClassVar[int] = MAX_HELLO
 
     def __init__(self, plane: DataPlane, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
                  handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
                  cancel_ack_timeout_s: float = 5.0, write_chunk_bytes: int = 8 << 20,
                  poll_interval_s: float = 0.001) -> None:
-        super().__init__(secret=secret, handshake_timeout_s=handshake_timeout_s, keepalive_s=keepalive_s,
-                         max_connections=max_connections, stage_through_host=False)
+        super().__init__(host, port, secret=secret, handshake_timeout_s=handshake_timeout_s,
+                         keepalive_s=keepalive_s, max_connections=max_connections, stage_through_host=False)
         for what, value in (("write_chunk_bytes", write_chunk_bytes), ("cancel_ack_timeout_s", cancel_ack_timeout_s),
                             ("poll_interval_s", poll_interval_s)):
             if not value > 0:
                 raise ValueError(f"{what} must be positive, got {value!r}")
         self.plane = plane
-        self.host, self.port = host, port
         self.cancel_ack_timeout_s = cancel_ack_timeout_s
         self.poll_interval_s = poll_interval_s
         self._sender = SenderHalf(plane, self._outgoing, self._kick, write_chunk_bytes=write_chunk_bytes,
                                   cancel_ack_timeout_s=cancel_ack_timeout_s)
         self._rx: ReceiverHalf | None = None
         self._descriptor = b""
-        self._listener: socket.socket | None = None
         self._wake = anyio.Event()
         self._peers: dict[str, Link] = {}  # links this endpoint opened, by peer address
         self._accepted: set[Link] = set()
@@ -115,12 +116,12 @@ class OneSidedTransport(ListeningEndpoint):
             raise TransportUnavailable(
                 f"the {self.name} transport takes a CPU pool, not one on {memory.device}: a device pool "
                 f"would be registered with the plane directly, which is not supported yet; use tcp")
-        pool = self._register(memory, record)
+        pool_bytes = self._register(memory, record)
         self._rx = ReceiverHalf(self._started()[1], self._kick)
-        self._listener, self._info = listen_endpoint(self.name, self.host, self.port, record)
+        self._listen(record)
         try:
             try:
-                self._descriptor = self.plane.open(pool.memory)
+                self._descriptor = self.plane.open(pool_bytes.memory)
             except TransportUnavailable:
                 raise
             except Exception as e:
@@ -137,21 +138,18 @@ class OneSidedTransport(ListeningEndpoint):
     def _stop_serving(self) -> None:
         self._shutdown()
 
-    async def _accept_loop(self) -> None:
-        assert self._listener is not None and self._tg is not None
-        await accept_forever(self._listener, lambda sock: self._on_accept(sock, self._serve_sender))
-
-    async def _serve_sender(self, channel: Channel) -> None:
+    async def _serve_connection(self, channel: Channel) -> None:
         """A sender connected: authenticate it, pair, then take its messages until the link ends."""
         assert self._tg is not None and self._rx is not None
         rx, reason, link = self._rx, "peer_lost", Link(channel)
         self._accepted.add(link)
         try:
-            if await answer_hello(link, self.info, self._descriptor, self.handshake_timeout_s, self._authenticate):
+            if (info := await self._answer_hello(channel, self._descriptor)) is not None:
+                link.peer = info
                 self._tg.start_soon(link.write_loop)
                 self._keep_alive(channel, _pinger(link), "receiving link")
                 while True:
-                    rx.on_message(link, await recv_message(link.channel))
+                    rx.on_message(link, await channel.recv_frame(Message))
         except (ProtocolError, TimeoutError):  # before ConnectionGone: both are OSErrors
             reason = "protocol_error"
         except ConnectionGone:
@@ -165,7 +163,7 @@ class OneSidedTransport(ListeningEndpoint):
         """Take the answers of the receiver this endpoint paired with until the link ends."""
         try:
             while True:
-                self._sender.on_message(link, await recv_message(link.channel))
+                self._sender.on_message(link, await link.channel.recv_frame(Message))
         except ConnectionGone:  # includes ProtocolError
             pass
         finally:
@@ -209,22 +207,14 @@ class OneSidedTransport(ListeningEndpoint):
         prove the deployment secret; OSError (ConnectionError) when unreachable, not speaking this
         protocol (a listener that refused us just closes), or its data plane cannot be reached;
         TimeoutError when the handshake stalls."""
-        self._check_pairable(peer)
-        link = Link(Channel(await connect(*split_address(peer.address))))
+        channel, reply = await self._dial(peer)
+        link = Link(channel)
         try:
-            with anyio.fail_after(self.handshake_timeout_s):
-                await self._connect_authenticated(link.channel, peer)
-                async with link.channel.send_lock:
-                    await send_message(link.channel, Hello(self.info))
-                reply = self._check_hello_reply(peer, await recv_message(link.channel, MAX_HELLO))
-            try:
-                link.plane_peer = self.plane.connect(reply.plane)
-            except Exception as e:
-                raise ConnectionError(f"{peer.address}: cannot reach its {self.plane.name} data plane: {e}") from e
-            link.peer = reply.info
-        except BaseException:
+            link.plane_peer = self.plane.connect(reply.plane)
+        except Exception as e:
             link.lose("peer_lost")
-            raise
+            raise ConnectionError(f"{peer.address}: cannot reach its {self.plane.name} data plane: {e}") from e
+        link.peer = reply.info
         if (old := self._peers.pop(peer.address, None)) is not None:
             old.lose("peer_lost")
         self._peers[peer.address] = link
@@ -242,10 +232,10 @@ class OneSidedTransport(ListeningEndpoint):
         is cancelled and `cancel_ack_timeout_s` passes (then the pair is dropped, and the write
         may still read the source pages). ValueError on bad arguments or a peer not paired by
         this endpoint."""
-        pool = self._check_push(manifest, src_pages, dst_pages)
+        pool_bytes = self._check_push(manifest, src_pages, dst_pages)
         if not isinstance(peer, OneSidedPeer) or peer.owner is not self:
             raise ValueError(f"push to a peer this {self.name} endpoint did not pair with")
-        return await self._sender.push(peer.link, pool, manifest, list(src_pages), list(dst_pages))
+        return await self._sender.push(peer.link, pool_bytes, manifest, list(src_pages), list(dst_pages))
 
     async def cancel(self, transfer_id: str) -> bool:
         """Both halves. Receiving: un-expect it at once (a later announcement is refused); if it
@@ -273,9 +263,7 @@ class OneSidedTransport(ListeningEndpoint):
     # -- health and shutdown -----------------------------------------------------------------
     async def health(self) -> bool:
         """Serving, and every paired link is alive."""
-        return (self._listener is not None and self._listener.fileno() != -1 and self._tg is not None
-                and not self._closed and not self._stopped.is_set()
-                and all(link.alive for link in self._peers.values()))
+        return self._serving() and all(link.alive for link in self._peers.values())
 
     async def aclose(self) -> None:
         """Fail everything pending ("transport_closed"); ask the senders writing into this pool to
@@ -283,9 +271,7 @@ class OneSidedTransport(ListeningEndpoint):
         terminal; then stop the tasks, close the sockets and the plane. Idempotent."""
         if not self._closed:
             self._closed = True
-            if self._receiver is not None:
-                self._receiver.close("transport_closed")
-            self._outgoing.settle_all("transport_closed")
+            self._fail_pending()
             if self._rx is not None:
                 self._rx.stop_all()
             if self._tg is not None:
@@ -302,9 +288,7 @@ class OneSidedTransport(ListeningEndpoint):
         """Close links and listener, give up on writes still in flight, close the plane."""
         for link in [*self._peers.values(), *self._accepted]:
             link.lose("transport_closed")
-        if self._listener is not None and self._listener.fileno() != -1:
-            anyio.notify_closing(self._listener)
-            self._listener.close()
+        self._close_listener()
         self._sender.abandon()
         if self._rx is not None:
             self._rx.abandon()

@@ -1,10 +1,10 @@
-"""The receiving half of a one-sided transport: pairing answers, admissions, verdicts.
+"""The receiving half of a one-sided transport: admissions, verdicts.
 
 Nothing here writes the pool: the sender's plane does, and only after this half said "go" to an
-admitted push (`PoolReceiver.admit`: what was not expected, or does not match, is refused and
+admitted push (`Receiver.admit`: what was not expected, or does not match, is refused and
 never gets a "go"). A push is `Incoming` from its "go" until its writes are known terminal: its
-notification or "landed" arrived (then `PoolReceiver.finish` recomputes the digests over the
-landed pages and the verdict goes back), or the sender reported them terminal with an Abort. A
+notification or "landed" arrived (then `Receiver.finish` recomputes the digests over the
+landed pages and the verdict goes back), or the sender reported them terminal with a PushAbort. A
 lost link or a shutdown ends the transfer ("peer_lost", "protocol_error", "transport_closed")
 without that proof: a write already posted may still land in its dst pages.
 """
@@ -13,38 +13,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
-import anyio
-
-from kvfence.transports.base import EndpointInfo
-from kvfence.transports.endpoint import pairing_problem
-from kvfence.transports.onesided_link import Incoming, Link
-from kvfence.transports.onesided_wire import (MAX_HELLO, Abort, Announce, Cancel, Go, Hello, HelloReply, Landed,
-                                              Message, Ping, Stop, Verdict, recv_message, send_message)
-from kvfence.transports.receiver import PoolReceiver
-from kvfence.transports.tcp_io import Channel
-from kvfence.transports.tcp_wire import ProtocolError
-
-
-async def answer_hello(link: Link, me: EndpointInfo, descriptor: bytes, timeout_s: float,
-                       authenticate: Callable[[Channel], Awaitable[bool]]) -> bool:
-    """Authenticate the peer (`authenticate`: False sends it nothing more), then answer its Hello:
-    refuse another transport or any byte-defining record mismatch (naming the field), else send
-    this endpoint's info and plane descriptor. True when paired. All within `timeout_s`."""
-    with anyio.fail_after(timeout_s):
-        if not await authenticate(link.channel):
-            return False
-        hello = await recv_message(link.channel, MAX_HELLO)
-        if not isinstance(hello, Hello):
-            raise ProtocolError(f"expected hello, got {type(hello).__name__}")
-        problem = pairing_problem(me, hello.info)
-        reply = HelloReply(problem is None, problem or "", me, b"" if problem else descriptor)
-        async with link.channel.send_lock:
-            await send_message(link.channel, reply)
-    link.peer = hello.info
-    return problem is None
-
+from kvfence.transports.core.receiver import Receiver
+from kvfence.transports.onesided.link import Incoming, Link
+from kvfence.transports.onesided.wire import Message
+from kvfence.transports.wire.framing import ProtocolError
+from kvfence.transports.wire.messages import Cancel, Go, Landed, Ping, PushAbort, PushHeader, Stop, Verdict
 
 UNPROVEN_KEPT = 4096
 
@@ -52,7 +27,7 @@ UNPROVEN_KEPT = 4096
 class ReceiverHalf:
     """The pushes into one endpoint's pool that were told "go" (`incoming`, for the poller)."""
 
-    def __init__(self, receiver: PoolReceiver, kick: Callable[[], None], linger_s: float = 60.0) -> None:
+    def __init__(self, receiver: Receiver, kick: Callable[[], None], linger_s: float = 60.0) -> None:
         self.receiver = receiver
         self.kick = kick  # wakes the poller: a write may now land
         self.incoming: dict[str, Incoming] = {}  # "go" sent, writes not known terminal
@@ -70,12 +45,12 @@ class ReceiverHalf:
         match message:
             case Ping():
                 pass
-            case Announce():
+            case PushHeader():
                 self._admit(link, message)
             case Landed(transfer_id=tid):
                 if (inc := self._on(link, tid)) is not None:
                     self._landed(inc)
-            case Abort(transfer_id=tid, reason=reason):
+            case PushAbort(transfer_id=tid, reason=reason):
                 if (inc := self._on(link, tid)) is not None:
                     self._end(inc, reason or "cancelled", proven=True)
             case Cancel(transfer_id=tid):
@@ -84,15 +59,15 @@ class ReceiverHalf:
             case _:
                 raise ProtocolError(f"unexpected {type(message).__name__} from a sender")
 
-    def _admit(self, link: Link, announce: Announce) -> None:
-        manifest = announce.manifest
-        if announce.page_nbytes < 1 or manifest.num_pages < 1:
+    def _admit(self, link: Link, header: PushHeader) -> None:
+        manifest = header.manifest
+        if header.page_nbytes < 1 or manifest.num_pages < 1:
             raise ProtocolError(f"bad announcement of {manifest.transfer_id}")
-        adm = self.receiver.admit(manifest, announce.dst_pages, announce.page_nbytes)
+        adm = self.receiver.admit(manifest, header.dst_pages, header.page_nbytes)
         if not adm.live:  # refused: the verdict is the refusal, and no "go"
             link.send(Verdict(self.receiver.finish(adm, 0, [])))
             return
-        self.incoming[adm.transfer_id] = Incoming(adm, link, list(announce.digests))
+        self.incoming[adm.transfer_id] = Incoming(adm, link, list(header.digests))
         link.send(Go(adm.transfer_id))
         self.kick()
 

@@ -1,5 +1,6 @@
-"""Byte moving for the TCP transport over a raw non-blocking socket (anyio wait_readable /
-wait_writable, so it never blocks the event loop).
+"""A transport connection: a raw non-blocking socket (anyio wait_readable / wait_writable, so it
+never blocks the event loop) carrying raw bytes (the handshake), frames (framing.py) and, for tcp,
+page bytes; and how such sockets are opened, listened on and accepted.
 
 Pool memory is never handed to the kernel across an await: every `recv_into` into a pool page and
 every `send` from one is a synchronous call made right after asking the caller whether that is
@@ -14,11 +15,13 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
+import msgspec
 
-from kvfence.transports.digest import Hasher
-from kvfence.transports.tcp_wire import LEN_SIZE, MAX_FRAME, Frame, decode_frame, encode_frame, frame_length
+from kvfence.transports.core.digest import Hasher
+from kvfence.transports.wire.framing import LEN_SIZE, MAX_FRAME, decode_frame, encode_frame, frame_length
 
 SCRATCH_BYTES = 256 << 10
 ConnectionGone = (OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)
@@ -46,7 +49,7 @@ class Channel:
         """No frame or page is half sent: the next frame may start."""
         return not self._owed_frame and not self._owed_pad
 
-    async def send_frame(self, frame: Frame) -> None:
+    async def send_frame(self, frame: msgspec.Struct) -> None:
         if not self.settled:
             raise anyio.BrokenResourceError("a previous send was left unfinished")
         self._owed_frame = memoryview(encode_frame(frame))
@@ -101,12 +104,13 @@ class Channel:
             return k
 
     # -- receiving (one reader task) -------------------------------------------------------
-    async def recv_frame(self, limit: int = MAX_FRAME) -> Frame:
-        """The next frame; ProtocolError when it is longer than `limit` or undecodable."""
+    async def recv_frame(self, protocol: Any, limit: int = MAX_FRAME) -> Any:
+        """The next frame, as one of the messages of `protocol` (a union of tagged structs, e.g.
+        tcp/wire.py's `Frame`); ProtocolError when it is longer than `limit` or undecodable."""
         await self._recv_exact(len(self._prefix), lambda: memoryview(self._prefix))
         body = bytearray(frame_length(self._prefix, limit))
         await self._recv_exact(len(body), lambda: memoryview(body))
-        return decode_frame(body)
+        return decode_frame(body, protocol)
 
     async def recv_raw(self, nbytes: int) -> bytes:
         """Exactly `nbytes` bytes (the handshake before any frame)."""
@@ -141,6 +145,14 @@ class Channel:
             self.closed = True
             anyio.notify_closing(self.sock)
             self.sock.close()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """"host:port" or "[v6 host]:port" -> (host, port); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"not a host:port address: {address!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 async def connect(host: str, port: int) -> socket.socket:

@@ -1,4 +1,4 @@
-"""The pieces of a one-sided transport (onesided.py) that hold no policy: a control connection
+"""The pieces of a one-sided transport (onesided/transport.py) that hold no policy: a control connection
 with an outbox, the records of pushes and receptions in flight, and how a push is cut into writes.
 
 A `Link` is one paired control connection. Its outbox is drained, in order, by `write_loop` (a
@@ -14,12 +14,12 @@ from collections import deque
 import anyio
 
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.data_plane import WriteState
-from kvfence.transports.onesided_wire import Message, send_message
-from kvfence.transports.receiver_state import Admission
-from kvfence.transports.sender_state import OutgoingPush
-from kvfence.transports.staging import page_runs
-from kvfence.transports.tcp_io import Channel, ConnectionGone
+from kvfence.transports.core.receiver_state import Admission
+from kvfence.transports.core.sender_state import OutgoingPush
+from kvfence.transports.core.staging import page_runs
+from kvfence.transports.onesided.data_plane import WriteState
+from kvfence.transports.onesided.wire import Message
+from kvfence.transports.wire.channel import Channel, ConnectionGone
 
 
 class Link:
@@ -53,7 +53,7 @@ class Link:
                     await self._ready.wait()
                     continue
                 async with self.channel.send_lock:
-                    await send_message(self.channel, self._outbox.popleft())
+                    await self.channel.send_frame(self._outbox.popleft())
         except ConnectionGone:
             self.lose("peer_lost")
 
@@ -86,7 +86,7 @@ class Write:
 class Sending:
     """A push on the sending side, from its announcement to its return. `go`: the receiver
     admitted it; `write`: the write in flight (or the last one); `answered`: the receiver's
-    verdict arrived (so it needs no Abort)."""
+    verdict arrived (so it needs no PushAbort)."""
 
     def __init__(self, out: OutgoingPush, link: Link) -> None:
         self.out = out

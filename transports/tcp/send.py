@@ -6,7 +6,7 @@ its verdict, which the connection's reader task (`run`, in the transport's task 
 transfer id. Several pushes can thus await verdicts at once while the next one streams.
 
 Page bytes are sent from the pool without a copy (a staged pool: from the host buffer its pages
-are copied into, a chunk at a time, while the push holds the send lock; see staging.py); the
+are copied into, a chunk at a time, while the push holds the send lock; see core/staging.py); the
 digest is computed over each chunk the kernel accepted, i.e. over exactly the bytes sent. Stopping
 (transport `cancel`) is checked before every read of a source page; a stopped or interrupted push
 pads the current page with zeros and sends PushAbort (so does one whose staging copy failed, then
@@ -19,12 +19,14 @@ from __future__ import annotations
 import anyio
 
 from kvfence.transports.base import EndpointInfo, TransferManifest, TransferResult
-from kvfence.transports.digest import new_hasher
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.sender_state import OutgoingPush
-from kvfence.transports.staging import SourcePages
-from kvfence.transports.tcp_io import Channel, ConnectionGone
-from kvfence.transports.tcp_wire import Cancel, Page, Ping, ProtocolError, PushAbort, PushEnd, PushHeader, Verdict
+from kvfence.transports.core.digest import new_hasher
+from kvfence.transports.core.pool_bytes import PoolBytes
+from kvfence.transports.core.sender_state import OutgoingPush
+from kvfence.transports.core.staging import SourcePages
+from kvfence.transports.tcp.wire import Frame
+from kvfence.transports.wire.channel import Channel, ConnectionGone
+from kvfence.transports.wire.framing import ProtocolError
+from kvfence.transports.wire.messages import Cancel, Page, Ping, PushAbort, PushEnd, PushHeader, Verdict
 
 
 class SenderConnection:
@@ -52,7 +54,7 @@ class SenderConnection:
         """Reader task: route verdicts until the connection ends."""
         try:
             while True:
-                frame = await self.channel.recv_frame()
+                frame = await self.channel.recv_frame(Frame)
                 if isinstance(frame, Ping):
                     continue
                 if not isinstance(frame, Verdict):
@@ -64,7 +66,7 @@ class SenderConnection:
         finally:
             self.lose("peer_lost")
 
-    async def push(self, out: OutgoingPush, pool: PoolView, manifest: TransferManifest,
+    async def push(self, out: OutgoingPush, pool_bytes: PoolBytes, manifest: TransferManifest,
                    src_pages: list[int], dst_pages: list[int]) -> TransferResult:
         """Stream the push and return its verdict (or "cancelled" / "peer_lost")."""
         tid = manifest.transfer_id
@@ -72,14 +74,14 @@ class SenderConnection:
             return TransferResult(tid, False, self.lost_reason)
         self._waiting[tid] = out
         try:
-            await self._send(out, pool, manifest, src_pages, dst_pages)
+            await self._send(out, pool_bytes, manifest, src_pages, dst_pages)
             await out.done.wait()
             assert out.result is not None
             return out.result
         finally:
             del self._waiting[tid]
 
-    async def _send(self, out: OutgoingPush, pool: PoolView, manifest: TransferManifest,
+    async def _send(self, out: OutgoingPush, pool_bytes: PoolBytes, manifest: TransferManifest,
                     src_pages: list[int], dst_pages: list[int]) -> None:
         ch, tid = self.channel, manifest.transfer_id
         async with ch.send_lock:
@@ -90,9 +92,9 @@ class SenderConnection:
                 if out.cancelled:  # nothing sent yet: tell the receiver to drop the expectation
                     await ch.send_frame(Cancel(tid))
                     return
-                source = SourcePages(pool, src_pages)  # a staged pool's buffer: before anything is sent
+                source = SourcePages(pool_bytes, src_pages)  # a staged pool's buffer: before anything is sent
                 streaming = True
-                await ch.send_frame(PushHeader(manifest, list(dst_pages), pool.page_nbytes))
+                await ch.send_frame(PushHeader(manifest, list(dst_pages), pool_bytes.page_nbytes))
                 digests = []
                 for index in range(len(src_pages)):
                     if out.cancelled:
@@ -104,7 +106,7 @@ class SenderConnection:
                         await ch.send_frame(PushAbort(tid, "staging_failed"))
                         raise
                     await ch.send_frame(Page(index))
-                    hasher = new_hasher(pool.digest)
+                    hasher = new_hasher(pool_bytes.digest)
                     if not await ch.send_page(page, hasher, lambda: out.cancelled):
                         break
                     digests.append(hasher.hexdigest())

@@ -1,4 +1,4 @@
-"""PoolReceiver: the digests that decide a transfer are recomputed over the pool, not trusted."""
+"""Receiver: the digests that decide a transfer are recomputed over the pool, not trusted."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import pytest
 import torch
 from transport_harness import digests_of, make_manifest, make_record
 
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.receiver import PoolReceiver
+from kvfence.transports.core.pool_bytes import PoolBytes
+from kvfence.transports.core.receiver import Receiver
 
 pytestmark = pytest.mark.anyio
 
 
-def receiver() -> tuple[PoolReceiver, torch.Tensor]:
+def receiver() -> tuple[Receiver, torch.Tensor]:
     pool = torch.zeros(4, 1024)
-    return PoolReceiver(PoolView(pool, make_record())), pool
+    return Receiver(PoolBytes(pool, make_record())), pool
 
 
 async def test_bytes_changed_after_landing_fail_the_digest_check() -> None:
@@ -45,12 +45,12 @@ async def test_intact_bytes_pass_and_targets_close_after_finish() -> None:
     assert rx.target(adm, 0) is None
 
 
-def test_pool_view_rejects_a_pool_that_does_not_match_the_record() -> None:
+def test_pool_bytes_reject_a_pool_that_does_not_match_the_record() -> None:
     with pytest.raises(ValueError, match="bytes"):
-        PoolView(torch.zeros(4, 512), make_record())
+        PoolBytes(torch.zeros(4, 512), make_record())
     with pytest.raises(ValueError, match="dtype"):
-        PoolView(torch.zeros(4, 2048, dtype=torch.float16), make_record())
+        PoolBytes(torch.zeros(4, 2048, dtype=torch.float16), make_record())
     with pytest.raises(ValueError, match="contiguous"):
-        PoolView(torch.zeros(1024, 4).t(), make_record())
+        PoolBytes(torch.zeros(1024, 4).t(), make_record())
     with pytest.raises(ValueError, match="digest"):
-        PoolView(torch.zeros(4, 1024), make_record(digest="md5"))
+        PoolBytes(torch.zeros(4, 1024), make_record(digest="md5"))

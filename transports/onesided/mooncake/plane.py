@@ -46,7 +46,7 @@ import msgspec
 import torch
 
 from kvfence.transports.base import TransportUnavailable
-from kvfence.transports.data_plane import DataPlane, WriteState
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
 
 # transfer_check_status results
 _WAITING, _COMPLETED, _FAILED, _SLICE_TIMEOUT = 0, 1, -1, -2

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from kvfence.transports.tcp_io import Channel, ConnectionGone
+from kvfence.transports.wire.channel import Channel, ConnectionGone
 
 log = logging.getLogger(__name__)
 

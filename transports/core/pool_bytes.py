@@ -3,22 +3,35 @@
 The pool must be a contiguous tensor, on any device, whose first dimension is pages, whose page
 size in bytes equals the pairing record's `page_nbytes` and whose dtype is the record's (ValueError
 otherwise). Built-in transports move host bytes: a CPU pool is read and written in place, a pool on
-another device (CUDA) is staged through host buffers (`staged`; see staging.py). Staging can be
+another device (CUDA) is staged through host buffers (`staged`; see core/staging.py). Staging can be
 forced for a CPU pool (`stage_through_host=True`), which is how the staged path is tested without
 an accelerator; it cannot be turned off for a pool that is not on the CPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvfence.transports.base import PairingRecord
-from kvfence.transports.digest import check_digest, page_digest
+from kvfence.transports.core.digest import check_digest, page_digest
 
 DEFAULT_STAGE_CHUNK_BYTES = 8 << 20
 
 
-class PoolView:
+def check_pages(pages: Sequence[int], num_pages: int, what: str) -> None:
+    """ValueError unless `pages` are not empty, distinct, and pages of a pool of `num_pages`."""
+    if not pages:
+        raise ValueError(f"{what}: no pages")
+    if len(set(pages)) != len(pages):
+        raise ValueError(f"{what}: repeated page in {pages}")
+    bad = [p for p in pages if not (isinstance(p, int) and 0 <= p < num_pages)]
+    if bad:
+        raise ValueError(f"{what}: pages {bad} outside the pool's {num_pages} pages")
+
+
+class PoolBytes:
     """Views of each page of `memory` (no copies): uint8 tensors always, writable memoryviews for
     a pool that is not staged.
 
@@ -56,13 +69,7 @@ class PoolView:
 
     def check_pages(self, pages: list[int], what: str) -> None:
         """ValueError unless `pages` are distinct, in range, and not empty."""
-        if not pages:
-            raise ValueError(f"{what}: no pages")
-        if len(set(pages)) != len(pages):
-            raise ValueError(f"{what}: repeated page in {pages}")
-        bad = [p for p in pages if not (isinstance(p, int) and 0 <= p < self.num_pages)]
-        if bad:
-            raise ValueError(f"{what}: pages {bad} outside the pool's {self.num_pages} pages")
+        check_pages(pages, self.num_pages, what)
 
     def page(self, i: int) -> memoryview:
         """The bytes of page `i`, writable, aliasing the pool. RuntimeError for a staged pool:

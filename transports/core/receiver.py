@@ -8,7 +8,7 @@ transfer is written.
 
 Host pools: the targets are the pool's own pages, and `finish` recomputes the digests over them.
 
-Staged pools (not on the CPU; see staging.py) verify, then copy: an accepted push gets a host
+Staged pools (not on the CPU; see core/staging.py) verify, then copy: an accepted push gets a host
 buffer of its whole transfer at `admit` (never a rejected one; the size of the dst pages the
 server reserved for it, and since those are disjoint between pending transfers, all buffers
 together never exceed the pool). The targets are that buffer's pages; `finish` recomputes the
@@ -27,18 +27,21 @@ import anyio
 import torch
 
 from kvfence.transports.base import TransferManifest, TransferResult
-from kvfence.transports.digest import page_digest
-from kvfence.transports.pool_view import PoolView
-from kvfence.transports.receiver_state import Admission, CapabilityCheck, ReceiverState
-from kvfence.transports.staging import copy_pages, host_pages, host_view
+from kvfence.transports.core.digest import page_digest
+from kvfence.transports.core.pool_bytes import PoolBytes
+from kvfence.transports.core.receiver_state import Admission, CapabilityCheck, ReceiverState
+from kvfence.transports.core.staging import copy_pages, host_pages, host_view
 
 log = logging.getLogger(__name__)
 
 
-class PoolReceiver:
-    def __init__(self, pool: PoolView, capability: CapabilityCheck | None = None) -> None:
-        self.pool = pool
-        self.state = ReceiverState(pool.num_pages, pool.page_nbytes, pool.digest, capability=capability)
+class Receiver:
+    """A `ReceiverState` over the registered bytes of one pool (`PoolBytes`), with waiters."""
+
+    def __init__(self, pool_bytes: PoolBytes, capability: CapabilityCheck | None = None) -> None:
+        self.pool_bytes = pool_bytes
+        self.state = ReceiverState(pool_bytes.num_pages, pool_bytes.page_nbytes, pool_bytes.digest,
+                                   capability=capability)
         self._waiters: dict[str, anyio.Event] = {}
         self._staging: dict[Admission, torch.Tensor] = {}  # live admissions of a staged pool
         self._closed_reason = ""
@@ -50,8 +53,8 @@ class PoolReceiver:
 
     def admit(self, manifest: TransferManifest, dst_pages: list[int], page_nbytes: int) -> Admission:
         adm = self.state.admit(manifest, dst_pages, page_nbytes)
-        if adm.live and self.pool.staged:
-            self._staging[adm] = host_pages(adm.num_pages, self.pool.page_nbytes, self.pool.device)
+        if adm.live and self.pool_bytes.staged:
+            self._staging[adm] = host_pages(adm.num_pages, self.pool_bytes.page_nbytes, self.pool_bytes.device)
         self._wake(adm.transfer_id)
         return adm
 
@@ -65,7 +68,7 @@ class PoolReceiver:
             return None
         if (staging := self._staging.get(adm)) is not None:
             return staging[index]
-        return self.pool.page_tensor(adm.dst_pages[index])
+        return self.pool_bytes.page_tensor(adm.dst_pages[index])
 
     def target(self, adm: Admission, index: int) -> memoryview | None:
         """`target_tensor` as writable bytes, or None (discard)."""
@@ -73,7 +76,7 @@ class PoolReceiver:
             return None
         if (staging := self._staging.get(adm)) is not None:
             return host_view(staging[index])
-        return self.pool.page(adm.dst_pages[index])
+        return self.pool_bytes.page(adm.dst_pages[index])
 
     def finish(self, adm: Admission, pages_received: int, sent_digests: list[str]) -> TransferResult:
         """Verify what landed (digests recomputed over the pool pages, or over the staged bytes,
@@ -82,9 +85,9 @@ class PoolReceiver:
         landed = []
         if self.state.writable(adm) and pages_received == adm.num_pages:
             if staging is None:
-                landed = [self.pool.digest_of(p) for p in adm.dst_pages]
+                landed = [self.pool_bytes.digest_of(p) for p in adm.dst_pages]
             else:
-                landed = [page_digest(host_view(page), self.pool.digest) for page in staging]
+                landed = [page_digest(host_view(page), self.pool_bytes.digest) for page in staging]
                 if not self.state.judge(adm, pages_received, sent_digests, landed) and not self._commit(adm, staging):
                     return self.abort(adm, "staging_failed")
         result = self.state.finish(adm, pages_received, sent_digests, landed)
@@ -97,7 +100,7 @@ class PoolReceiver:
         written and are released by the server only as a failed transfer's pages; the transport
         and the server carry on."""
         try:
-            copy_pages(self.pool.pages, adm.dst_pages, staging, range(adm.num_pages))
+            copy_pages(self.pool_bytes.pages, adm.dst_pages, staging, range(adm.num_pages))
         except Exception:
             log.exception("transfer %s: copying the verified pages into the pool failed", adm.transfer_id)
             return False

@@ -1,7 +1,7 @@
 """The receiving end of one accepted TCP connection: authentication, pairing handshake, then pushes.
 
 Page bytes are read straight into the destination pool pages, but only while the receiver says the
-transfer may be written (`PoolReceiver.target`); otherwise into scratch and dropped. A push cut
+transfer may be written (`Receiver.target`); otherwise into scratch and dropped. A push cut
 off by a lost connection fails with "peer_lost", one cut off by a protocol violation with
 "protocol_error"; the connection is then closed. Nothing here raises for peer misbehaviour.
 """
@@ -10,26 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-import anyio
-
 from kvfence.transports.base import EndpointInfo, TransferResult
-from kvfence.transports.endpoint import pairing_problem
-from kvfence.transports.receiver import PoolReceiver
-from kvfence.transports.receiver_state import Admission
-from kvfence.transports.tcp_io import Channel, ConnectionGone
-from kvfence.transports.tcp_wire import (MAX_HELLO, Cancel, Hello, HelloReply, Page, Ping, ProtocolError,
-                                          PushAbort, PushEnd, PushHeader, Verdict)
+from kvfence.transports.core.receiver import Receiver
+from kvfence.transports.core.receiver_state import Admission
+from kvfence.transports.tcp.wire import Frame
+from kvfence.transports.wire.channel import Channel, ConnectionGone
+from kvfence.transports.wire.framing import ProtocolError
+from kvfence.transports.wire.messages import Cancel, Page, Ping, PushAbort, PushEnd, PushHeader, Verdict
 
 
-async def serve_connection(channel: Channel, me: EndpointInfo, receiver: PoolReceiver, handshake_timeout_s: float,
-                           authenticate: Callable[[Channel], Awaitable[bool]],
-                           on_paired: Callable[[], None]) -> None:
+async def serve_connection(channel: Channel, receiver: Receiver,
+                           pair: Callable[[], Awaitable[EndpointInfo | None]], on_paired: Callable[[], None]) -> None:
     """Serve `channel` until the peer goes away or the task is cancelled; always closes it.
-    `authenticate` runs first (within the handshake timeout): a peer it refuses gets nothing
-    more; `on_paired` is called once the pairing is accepted (to start the keep-alive)."""
+    `pair` runs first (authentication and the Hello exchange, within the handshake timeout; see
+    ListeningEndpoint._answer_hello): a peer it does not pair with gets nothing more; `on_paired`
+    is called once the pairing is accepted (to start the keep-alive)."""
     reader = _PushReader(channel, receiver)
     try:
-        if await _handshake(channel, me, handshake_timeout_s, authenticate):
+        if await pair() is not None:
             on_paired()
             await reader.run()
     except (ProtocolError, TimeoutError):  # before ConnectionGone: both are OSErrors
@@ -41,25 +39,8 @@ async def serve_connection(channel: Channel, me: EndpointInfo, receiver: PoolRec
         channel.close()
 
 
-async def _handshake(channel: Channel, me: EndpointInfo, timeout_s: float,
-                     authenticate: Callable[[Channel], Awaitable[bool]]) -> bool:
-    """Authenticate the peer, then answer its Hello; True when paired. A peer that fails to
-    authenticate gets nothing; a pairing refusal (to an authenticated peer) is answered, then the
-    connection ends."""
-    with anyio.fail_after(timeout_s):
-        if not await authenticate(channel):
-            return False
-        hello = await channel.recv_frame(MAX_HELLO)
-        if not isinstance(hello, Hello):
-            raise ProtocolError(f"expected hello, got {type(hello).__name__}")
-        problem = pairing_problem(me, hello.info)
-        async with channel.send_lock:
-            await channel.send_frame(HelloReply(problem is None, problem or "", me))
-    return problem is None
-
-
 class _PushReader:
-    def __init__(self, channel: Channel, receiver: PoolReceiver) -> None:
+    def __init__(self, channel: Channel, receiver: Receiver) -> None:
         self.channel = channel
         self.receiver = receiver
         self.adm: Admission | None = None  # the push being read, until its verdict is decided
@@ -71,7 +52,7 @@ class _PushReader:
 
     async def run(self) -> None:
         while True:
-            frame = await self.channel.recv_frame()
+            frame = await self.channel.recv_frame(Frame)
             if isinstance(frame, Ping):
                 continue
             if isinstance(frame, Cancel):
@@ -90,7 +71,7 @@ class _PushReader:
         self.adm = adm = self.receiver.admit(manifest, header.dst_pages, header.page_nbytes)
         received = 0
         while True:
-            frame = await self.channel.recv_frame()
+            frame = await self.channel.recv_frame(Frame)
             if isinstance(frame, Page):
                 if frame.index != received or received >= manifest.num_pages:
                     raise ProtocolError(f"page {frame.index} out of order in {manifest.transfer_id}")

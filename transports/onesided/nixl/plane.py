@@ -58,7 +58,7 @@ import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
 from kvfence.transports.base import TransportUnavailable
-from kvfence.transports.data_plane import DataPlane, WriteState
+from kvfence.transports.onesided.data_plane import DataPlane, WriteState
 
 log = logging.getLogger(__name__)
 RDMA_DEVICES = Path("/sys/class/infiniband")

@@ -1,26 +1,21 @@
-"""The deployment secret: mutual authentication of transport peers, and push capabilities.
+"""The deployment secret: the proofs of the mutual authentication of transport peers, and push
+capabilities.
 
 Every process of one deployment holds the same secret (generated per process when both workers
 live in it; read from `--transport-secret-file` when they do not). It never crosses the wire.
 Two keys are derived from it, one per use, so a MAC made for one purpose is never valid for the
 other.
 
-Peer authentication, before anything else is exchanged on a connection (three fixed-size
-messages, no parser runs on what an unauthenticated peer sends):
-
-    connector -> MAGIC + nonce_c                                    (5 + 32 bytes)
-    listener  -> nonce_l + HMAC(auth, "listener"  | transport | nonce_c | nonce_l)   (32 + 32)
-    connector ->           HMAC(auth, "connector" | transport | nonce_c | nonce_l)   (32)
-
-Each side proves it knows the secret over a nonce the other just chose, so a recorded handshake
-replays to nothing; the role label keeps a listener's proof from being reflected back as a
-connector's. A listener answers a wrong magic with nothing; a connector that fails the check gets
-no further byte (no record, no descriptor); a listener that fails it is dropped by the connector.
+Peer authentication: each side proves it knows the secret by `proof(role, transport, nonce_c,
+nonce_l)`, an HMAC over a nonce the other side just chose, so a recorded exchange replays to
+nothing; the role label keeps a listener's proof from being reflected back as a connector's. The
+exchange over a connection is wire/handshake.py's; the in-process transport makes the same proofs
+without a wire.
 
 A capability is a MAC, minted where a transfer is planned, over what the push may do: the
 transfer id, the destination lease, the destination pages, the token count, the nonce and the
 receiver's incarnation. The receiver recomputes it with its own incarnation before it arms a
-transfer and before it admits a push (transports/receiver_state.py), so a push planned for
+transfer and before it admits a push (transports/core/receiver_state.py), so a push planned for
 another lease, other pages, another nonce or an earlier incarnation of the receiver is refused.
 """
 
@@ -37,14 +32,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfence.transports.base import TransferManifest
-from kvfence.transports.tcp_io import Channel
 
 log = logging.getLogger(__name__)
 
 SECRET_MIN_BYTES = 32
 NONCE_BYTES = 32
 MAC_BYTES = 32  # HMAC-SHA256
-MAGIC = b"KVFA\x01"  # protocol name and version of the handshake
 
 
 class AuthenticationFailed(ConnectionError):
@@ -112,31 +105,3 @@ class DeploymentSecret:
         except (OverflowError, TypeError):  # pages no planner could have named
             return False
         return hmac.compare_digest(manifest.capability, want)
-
-
-async def authenticate_as_connector(channel: Channel, secret: DeploymentSecret, transport: str) -> None:
-    """Run the handshake from the connecting side; AuthenticationFailed when the listener does
-    not prove the secret (the caller closes the connection; nothing was sent but nonces)."""
-    connector_nonce = secrets.token_bytes(NONCE_BYTES)
-    async with channel.send_lock:
-        await channel.send_raw(MAGIC + connector_nonce)
-    answer = await channel.recv_raw(NONCE_BYTES + MAC_BYTES)
-    listener_nonce, mac = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
-    if not secret.proves(mac, "listener", transport, connector_nonce, listener_nonce):
-        raise AuthenticationFailed("the peer did not prove the deployment secret")
-    async with channel.send_lock:
-        await channel.send_raw(secret.proof("connector", transport, connector_nonce, listener_nonce))
-
-
-async def authenticate_as_listener(channel: Channel, secret: DeploymentSecret, transport: str) -> None:
-    """Run the handshake from the listening side; AuthenticationFailed when the connector does
-    not speak it or does not prove the secret (the caller closes the connection)."""
-    hello = await channel.recv_raw(len(MAGIC) + NONCE_BYTES)
-    if hello[:len(MAGIC)] != MAGIC:
-        raise AuthenticationFailed("the peer does not speak the kvfence handshake")
-    connector_nonce, listener_nonce = hello[len(MAGIC):], secrets.token_bytes(NONCE_BYTES)
-    async with channel.send_lock:
-        await channel.send_raw(listener_nonce + secret.proof("listener", transport, connector_nonce, listener_nonce))
-    mac = await channel.recv_raw(MAC_BYTES)
-    if not secret.proves(mac, "connector", transport, connector_nonce, listener_nonce):
-        raise AuthenticationFailed("the peer did not prove the deployment secret")

@@ -1,10 +1,10 @@
 """Host staging for pools the built-in transports cannot touch in place (a CUDA pool, or any pool
 registered with `stage_through_host=True`): sockets and digests need host bytes, so page bytes go
-through host buffers. Which pools are staged is decided by `PoolView`.
+through host buffers. Which pools are staged is decided by `PoolBytes`.
 
 Sender (`SourcePages`): the pages a push names, and only those, are copied into one host buffer
-of at most `PoolView.stage_chunk_pages` pages, a chunk at a time; they are digested and sent from
-there exactly as a host pool's pages would be. Receiver: see `PoolReceiver` (verify, then copy).
+of at most `PoolBytes.stage_chunk_pages` pages, a chunk at a time; they are digested and sent from
+there exactly as a host pool's pages would be. Receiver: see `Receiver` (verify, then copy).
 
 Every copy between a pool and a host buffer is one synchronous step (`copy_pages`): it returns
 once every byte is in place, so a caller that checked cancellation right before it still keeps
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvfence.transports.pool_view import PoolView
+    from kvfence.transports.core.pool_bytes import PoolBytes
 
 
 def host_pages(num_pages: int, page_nbytes: int, device: torch.device) -> torch.Tensor:
@@ -69,27 +69,28 @@ class SourcePages:
     index. That copy is the only read of the pool: call `page` right after checking that the push
     may still read its source."""
 
-    def __init__(self, pool: PoolView, src_pages: Sequence[int]) -> None:
-        self._pool = pool
+    def __init__(self, pool_bytes: PoolBytes, src_pages: Sequence[int]) -> None:
+        self._pool_bytes = pool_bytes
         self._src = list(src_pages)
         self._buffer: torch.Tensor | None = None
         self._first = 0  # index in the push of the buffer's first page
         self._count = 0  # pages the buffer holds now
-        if pool.staged:
-            self._buffer = host_pages(min(len(self._src), pool.stage_chunk_pages), pool.page_nbytes, pool.device)
+        if pool_bytes.staged:
+            num_pages = min(len(self._src), pool_bytes.stage_chunk_pages)
+            self._buffer = host_pages(num_pages, pool_bytes.page_nbytes, pool_bytes.device)
 
     def page_tensor(self, index: int) -> torch.Tensor:
         """Source page `index` of the push as a uint8 host tensor (staged: copied in if needed)."""
         if self._buffer is None:
-            return self._pool.page_tensor(self._src[index])
+            return self._pool_bytes.page_tensor(self._src[index])
         if not self._first <= index < self._first + self._count:
             count = min(len(self._buffer), len(self._src) - index)
-            copy_pages(self._buffer, range(count), self._pool.pages, self._src[index:index + count])
+            copy_pages(self._buffer, range(count), self._pool_bytes.pages, self._src[index:index + count])
             self._first, self._count = index, count
         return self._buffer[index - self._first]
 
     def page(self, index: int) -> memoryview:
         """`page_tensor(index)` as bytes."""
         if self._buffer is None:
-            return self._pool.page(self._src[index])
+            return self._pool_bytes.page(self._src[index])
         return host_view(self.page_tensor(index))

@@ -7,7 +7,7 @@ Per transfer id:  EXPECTED --admit--> RECEIVING --finish/abort--> FINISHED
 `admit` decides whether a push may land in the pool: only an EXPECTED transfer whose manifest
 (transfer_id, lease, nonce, num_pages, num_tokens, capability), page size and dst pages equal what
 was expected. With a `capability` check (every endpoint has one: the deployment secret's MAC, see
-peer_auth.py), `expect` refuses a manifest whose capability does not verify for its dst pages, and
+core/secret.py), `expect` refuses a manifest whose capability does not verify for its dst pages, and
 `admit` refuses such a push ("capability") before anything else; when it names an expected
 transfer, that transfer fails with it (the push that arrived for it is not the planned one).
 Any other push gets a rejected `Admission` (its bytes must be read into scratch and dropped). A
@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvfence.transports.base import TransferManifest, TransferResult
+from kvfence.transports.core.pool_bytes import check_pages
 
 
 @dataclass(eq=False)
@@ -89,11 +90,7 @@ class ReceiverState:
             raise ValueError(f"transfer {tid}: {len(dst_pages)} dst pages for num_pages={manifest.num_pages}")
         if len(manifest.digests) not in (0, manifest.num_pages):
             raise ValueError(f"transfer {tid}: {len(manifest.digests)} digests for {manifest.num_pages} pages")
-        if len(set(dst_pages)) != len(dst_pages):
-            raise ValueError(f"transfer {tid}: repeated dst page in {dst_pages}")
-        bad = [p for p in dst_pages if not (isinstance(p, int) and 0 <= p < self.num_pages)]
-        if bad:
-            raise ValueError(f"transfer {tid}: dst pages {bad} outside the pool's {self.num_pages}")
+        check_pages(dst_pages, self.num_pages, f"transfer {tid} dst")
         if busy := self._reserved.intersection(dst_pages):
             raise ValueError(f"transfer {tid}: dst pages {sorted(busy)} belong to another pending transfer")
         self._expected[tid] = (manifest, tuple(dst_pages))

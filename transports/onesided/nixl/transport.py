@@ -1,8 +1,8 @@
 """`NixlTransport`: KV pages by NIXL one-sided WRITEs (UCX), paired and steered over a small TCP
-control channel. The protocol is onesided.py's; the byte moving, and what NIXL does on this kind
-of machine, is nixl_plane.py's. Needs the `nixl` package: pip install 'kvfence[nixl]'.
+control channel. The protocol is onesided/transport.py's; the byte moving, and what NIXL does on
+this kind of machine, is nixl/plane.py's. Needs the `nixl` package: pip install 'kvfence[nixl]'.
 
-Pools must be on the CPU for now (onesided.py says why); `stage_through_host` is not offered: the
+Pools must be on the CPU for now (onesided/transport.py says why); `stage_through_host` is not offered: the
 staged path's host buffers are allocated per transfer, after pairing, while a one-sided write can
 only target memory the writer learnt about when it paired, and a GPU pool would be registered with
 NIXL directly rather than staged.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvfence.transports.nixl_plane import NixlPlane
-from kvfence.transports.onesided import OneSidedTransport
-from kvfence.transports.peer_auth import DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.onesided.nixl.plane import NixlPlane
+from kvfence.transports.onesided.transport import OneSidedTransport
 
 
 class NixlTransport(OneSidedTransport):

@@ -1,0 +1,1 @@
+"""Mooncake transfer-engine batch WRITEs: the transport and its data plane."""

@@ -1,0 +1,1 @@
+"""NIXL (UCX) one-sided WRITEs with notifications: the transport and its data plane."""

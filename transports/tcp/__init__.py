@@ -1,0 +1,1 @@
+"""The TCP transport: page bytes stream over the same connection as its frames."""
