@@ -34,7 +34,7 @@ from collections.abc import Callable
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.scheduler.actions import Action, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
-from kvfence.scheduler.admission import Refusal, quarantine_refusal, size_refusal
+from kvfence.scheduler.admission import size_refusal
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.scheduler.ids import mint_id
@@ -44,6 +44,7 @@ from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
 from kvfence.scheduler.policy import decode_steps, prefill_chunks
 from kvfence.scheduler.preemption import Preemption
+from kvfence.scheduler.reservation import Reservation
 from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.worker_binding import Step, WorkerBinding
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 RUNNING = (State.PREFILLING, State.TRANSFERRING, State.DECODING)
 
 
-class SchedulerCore(Preemption):
+class SchedulerCore(Reservation, Preemption):
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, prefill: WorkerBinding, decode: WorkerBinding,
                  metrics: SchedulerMetrics | None = None, *, mint: Callable[[], int] = mint_id) -> None:
         """`prefill is decode`: one worker bound to both roles (colocated). `mint`: where lease,
@@ -223,12 +224,6 @@ class SchedulerCore(Preemption):
         self._schedule(now)
         return pages
 
-    def _confirm_quiet(self, table: LeaseTable, lease: int, now: float) -> list[int]:
-        pages = table.confirm_quiet(lease)
-        if pages:
-            self._log_quarantine(table, f"quarantine of lease {id_hex(lease)} ended, {len(pages)} pages returned", now)
-        return pages
-
     def tick(self, now: float) -> None:
         """Time passed: expire queued requests past their deadline, and ask every idle worker not
         heard from for a heartbeat interval for its incarnation (a restart is seen within about
@@ -348,81 +343,6 @@ class SchedulerCore(Preemption):
             self._end(req, None, now, last=delta)
         else:
             self._actions.append(Emit(req.request_id, delta))
-
-    # ---- pages ----
-
-    def _needs(self, num_tokens: int) -> dict[WorkerBinding, int]:
-        """Pages an attempt that prefills `num_tokens` reserves at admission, per pool: the decode
-        side also gets the page of the first token it generates (it grows from there); a pool
-        bound to both roles reserves the larger."""
-        needs = {self.prefill: self.config.pages_for(num_tokens)}
-        needs[self.decode] = max(needs.get(self.decode, 0), self.config.pages_for(num_tokens + 1))
-        return needs
-
-    def _can_reserve(self, num_tokens: int, headroom_pages: int = 0) -> bool:
-        return all(w.ledger.can_reserve(n + (headroom_pages if w is self.decode else 0))
-                   for w, n in self._needs(num_tokens).items())
-
-    def _quarantine_refusal(self, prompt_tokens: int, prefill_tokens: int, max_tokens: int, now: float) -> Refusal | None:
-        """A refusal (and a log line) when the request fits only with quarantined pages."""
-        needs = {self.prefill: self.config.pages_for(prefill_tokens)}
-        needs[self.decode] = max(needs.get(self.decode, 0), self.config.pages_for(prompt_tokens + max_tokens))
-        refusal = quarantine_refusal([(w.name, w.ledger, n) for w, n in needs.items()], now)
-        if refusal is not None:
-            log.warning("request refused with 503: %s", refusal.error.message)
-        return refusal
-
-    def _queue_front(self) -> int:
-        """Where a request goes to be next: behind the priority requests already waiting."""
-        return next((i for i, r in enumerate(self.queue) if not r.priority), len(self.queue))
-
-    def _reserve_queued(self, now: float) -> None:
-        """Reserve pages for queued requests in order while they fit: a priority request as soon
-        as its pages are free; any other while a running slot is free and the decode pool keeps a
-        page of headroom per running request (each may need one more page soon), so a new request
-        does not take the page a running one is about to need. A queued request that can no
-        longer ever fit (pages were quarantined since it came) ends now with 503."""
-        if any(w.ledger.num_quarantined for w in self.workers):
-            for req in list(self.queue):
-                refusal = self._quarantine_refusal(len(req.prompt), req.prefill_target, req.max_tokens, now)
-                if refusal is not None:
-                    self.metrics.rejected(refusal.reason)
-                    self._end(req, refusal.error, now)
-        while self.queue:
-            req = self.queue[0]
-            running = self.num_running()
-            if not req.priority and running >= self.config.max_running:
-                return
-            if not self._can_reserve(req.prefill_target, 0 if req.priority else running):
-                return
-            leases: dict[WorkerBinding, tuple[int, list[int]]] = {}
-            for w, n in self._needs(req.prefill_target).items():
-                lease = self.mint()
-                pages = w.table.reserve(lease, n)
-                if pages is None:  # _can_reserve said yes a moment ago
-                    raise RuntimeError("ledger refused a reservation it had just allowed")
-                leases[w] = lease, pages
-            (req.prefill_lease, req.prefill_pages), (req.decode_lease, req.decode_pages) = \
-                leases[self.prefill], leases[self.decode]  # one pool for both roles: one lease, one page list
-            self._move(req, State.PREFILLING)
-
-    def _release_leases(self, req: Request) -> None:
-        """Release every lease `req` holds (the workers untag and scrub the pages in their next message)."""
-        for table, lease in {(self.prefill.table, req.prefill_lease), (self.decode.table, req.decode_lease)}:
-            table.release(lease)
-        req.prefill_lease = req.decode_lease = 0
-
-    def _quarantine(self, table: LeaseTable, lease: int, now: float) -> None:
-        pages = table.quarantine(lease, now)
-        if pages:
-            self._log_quarantine(table, f"{len(pages)} pages of lease {id_hex(lease)} quarantined", now)
-
-    def _log_quarantine(self, table: LeaseTable, what: str, now: float) -> None:
-        name = next(w.name for w in self.workers if w.table is table)
-        since = table.ledger.quarantined_since
-        held = f"oldest for {now - since:.1f} s" if since is not None else "none left"
-        log.warning("%s pool: %s; %d of %d pages quarantined (%s)", name, what, table.ledger.num_quarantined,
-                    table.ledger.num_pages, held)
 
     # ---- step replies ----
 
