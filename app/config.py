@@ -6,7 +6,7 @@ from that one declaration, and so do `kvfence serve --help` and the reference in
 (`kvfence config-reference`). Sources, lowest first: defaults < TOML file (`--config`; one table per
 section, e.g. `[server] port = 9000`) < KVFENCE_* variables < flags. Choice lists live with the code
 that owns them: scrub modes in engine/kv_pool.py, attention backends in engine/attention_backend.py,
-transports in transports/registry.py.
+transports in transports/registry.py, Mooncake protocols in transports/mooncake_plane.py.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ from kvfence.engine.attention_backend import BACKEND_NAMES
 from kvfence.engine.kv_pool import SCRUB_MODES
 from kvfence.scheduler.config import SchedulerSettings
 from kvfence.transports.faults import FaultPlan
+from kvfence.transports.mooncake_plane import PROTOCOLS as MOONCAKE_PROTOCOLS
 from kvfence.transports.registry import known_transports
 
 DISAGGREGATION = ("on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# The built-in transports whose endpoints listen on host:port; inprocess and plugins get only
+# the secret and their own table's options.
+LISTENING_TRANSPORTS = ("tcp", "nixl", "mooncake")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -95,17 +99,57 @@ class PoolsConfig(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
+class NixlOptions(Settings):
+    """Options of the nixl transport's endpoints."""
+
+    dest_prefix: ClassVar[str] = "nixl_"
+    backend: str = setting("UCX", "NIXL backend plugin of the data plane")
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeOptions(Settings):
+    """Options of the mooncake transport's endpoints."""
+
+    dest_prefix: ClassVar[str] = "mooncake_"
+    protocol: str = setting("tcp", "Mooncake transfer protocol", choices=MOONCAKE_PROTOCOLS)
+    device_name: str = setting("", "RDMA devices, comma-separated (empty: all, or none for tcp)")
+
+
+@dataclasses.dataclass(frozen=True)
 class TransportConfig(Settings):
     """The KV transport between the prefill and the decode worker's endpoints."""
 
     dest_prefix: ClassVar[str] = "transport_"
     name: str = setting("tcp", "KV transport plugin", choices=known_transports, dest="transport")
+    host: str = setting("127.0.0.1", "address the transport endpoints listen on (tcp, nixl, mooncake)")
+    prefill_port: int = setting(0, "port of the prefill worker's endpoint (0: an ephemeral port)",
+                                at_least=0, at_most=65535)
+    decode_port: int = setting(0, "port of the decode worker's endpoint (0: an ephemeral port)",
+                               at_least=0, at_most=65535)
     secret_file: str | None = setting(None, "file holding the deployment secret the transport endpoints "
                                             "authenticate each other with (at least 32 bytes); default: a fresh "
                                             "secret per process, enough when both workers live in it")
     fault_inject: str = setting("", "testing only: inject transfer faults on the sending side, e.g. "
                                     "'corrupt#3,delay=0.2@0.1'", dest="fault_inject", check=FaultPlan.parse,
                                 env_aliases=("KVFENCE_FAULTS",))
+    nixl: NixlOptions = section(NixlOptions)
+    mooncake: MooncakeOptions = section(MooncakeOptions)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prefill_port and self.prefill_port == self.decode_port:
+            raise ValueError(f"--transport-prefill-port and --transport-decode-port must differ (both endpoints "
+                             f"listen in this process), got {self.prefill_port} for both")
+
+    def endpoint_options(self, role: str) -> dict[str, Any]:
+        """Keyword arguments of `create_transport(self.name, secret=..., **these)` for the endpoint
+        of `role` ("prefill" or "decode"): where it listens, for the transports that listen, and
+        the options of this transport's own table."""
+        if self.name not in LISTENING_TRANSPORTS:
+            return {}
+        port = self.prefill_port if role == "prefill" else self.decode_port
+        own = {"nixl": self.nixl, "mooncake": self.mooncake}.get(self.name)
+        return {"host": self.host, "port": port, **(dataclasses.asdict(own) if own is not None else {})}
 
 
 @dataclasses.dataclass(frozen=True)

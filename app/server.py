@@ -101,7 +101,9 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
             secret = DeploymentSecret.from_file(transport.secret_file) if transport.secret_file \
                 else DeploymentSecret.generate()  # both workers live in this process
             try:
-                paired = await pair_workers(tg, transport.name, roles[0], roles[1], secret, transport.fault_inject)
+                paired = await pair_workers(tg, transport.name, roles[0], roles[1], secret, transport.fault_inject,
+                                            role_options={role: transport.endpoint_options(role)
+                                                          for role in ("prefill", "decode")})
             except PairingRefused:
                 tg.cancel_scope.cancel()
                 return 1

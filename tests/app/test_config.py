@@ -78,11 +78,32 @@ def test_prefill_chunk_default_follows_the_prefill_device() -> None:
     assert load_config({}, {"KVFENCE_CHUNK_TOKENS": "256"}, None).scheduler.chunk_tokens_for("cpu") == 256
 
 
+def test_transport_endpoint_options() -> None:
+    # The defaults are what the transports' constructors default to: loopback, ephemeral ports.
+    assert ServeConfig().transport.endpoint_options("prefill") == {"host": "127.0.0.1", "port": 0}
+    c = load_config({"transport": "mooncake", "transport_decode_port": 7001, "transport_host": "10.0.0.2"},
+                    {"KVFENCE_MOONCAKE_PROTOCOL": "rdma", "KVFENCE_MOONCAKE_DEVICE_NAME": "mlx5_0"}, None)
+    assert c.transport.endpoint_options("prefill") == {"host": "10.0.0.2", "port": 0, "protocol": "rdma",
+                                                       "device_name": "mlx5_0"}
+    assert c.transport.endpoint_options("decode")["port"] == 7001
+    nixl = load_config({"transport": "nixl", "nixl_backend": "GDS"}, {}, None).transport
+    assert nixl.endpoint_options("decode") == {"host": "127.0.0.1", "port": 0, "backend": "GDS"}
+    assert load_config({"transport": "inprocess"}, {}, None).transport.endpoint_options("decode") == {}
+    with pytest.raises(ValueError, match="--mooncake-protocol must be 'tcp' or 'rdma'"):
+        load_config({"mooncake_protocol": "ib"}, {}, None)
+    with pytest.raises(ValueError, match="--transport-prefill-port and --transport-decode-port must differ"):
+        load_config({"transport_prefill_port": 7001, "transport_decode_port": 7001}, {}, None)
+    with pytest.raises(ValueError, match="--transport must be .*'tcp', got 'carrier-pigeon'"):
+        load_config({}, {"KVFENCE_TRANSPORT": "carrier-pigeon"}, None)
+
+
 def test_nested_tables_and_sizes_from_the_file(tmp_path: Path) -> None:
     f = tmp_path / "kvfence.toml"
-    f.write_text('[pools]\ndecode_kv_memory = "2GiB"\n[server]\nmax_body_bytes = "1MiB"\nstall_timeout_s = 5\n')
+    f.write_text('[pools]\ndecode_kv_memory = "2GiB"\n[transport.mooncake]\nprotocol = "rdma"\n'
+                 '[server]\nmax_body_bytes = "1MiB"\nstall_timeout_s = 5\n')
     c = load_config({}, {}, f)
     assert (c.pools.decode_kv_memory, c.server.max_body_bytes, c.server.stall_timeout_s) == (2 << 30, 1 << 20, 5.0)
+    assert c.transport.mooncake.protocol == "rdma"
     f.write_text("port = 9000\n")  # the flat key of the flag: the message says where it lives
     with pytest.raises(ValueError, match=r"unknown setting 'port'; did you mean 'port' in the \[server\] table"):
         load_config({}, {}, f)
