@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.app.config import ServeConfig, load_config, parse_bytes
+from kvfence.app.config import ServeConfig, config_reference, load_config, parse_bytes
 from kvfence.scheduler.config import SchedulerSettings
 
 
@@ -110,3 +110,16 @@ def test_nested_tables_and_sizes_from_the_file(tmp_path: Path) -> None:
     f.write_text('[server]\nport = "http"\n')
     with pytest.raises(ValueError, match="--port must be an integer, got 'http'"):
         load_config({}, {}, f)
+
+
+README = Path(__file__).parents[2] / "README.md"
+START, END = "<!-- settings reference:", "<!-- end of settings reference -->"
+
+
+def test_the_readme_reference_is_the_generated_one(tmp_path: Path) -> None:
+    text = README.read_text()
+    block = text[text.index(START):text.index(END)]
+    assert block.split("\n", 1)[1] == config_reference(), "regenerate it: kvfence config-reference"
+    example = text[text.index("```toml\n") + len("```toml\n"):]
+    (tmp_path / "example.toml").write_text(example[:example.index("```")])
+    assert load_config({}, {}, tmp_path / "example.toml").pools.decode_kv_memory == 2 << 30  # the example is valid
