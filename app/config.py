@@ -1,4 +1,13 @@
-"""Server settings: one frozen dataclass, filled from defaults < TOML file < KVFENCE_* env < flags."""
+"""The settings of `kvfence serve` (and `check`, `generate`): nested frozen configs, one per concern.
+
+Every setting is declared once, here or next to its owner (scheduler/config.py), with
+app/settings.py: its default, help, validation, flag, KVFENCE_* variable and TOML key all come
+from that one declaration, and so do `kvfence serve --help` and the reference in README.md
+(`kvfence config-reference`). Sources, lowest first: defaults < TOML file (`--config`; one table per
+section, e.g. `[server] port = 9000`) < KVFENCE_* variables < flags. Choice lists live with the code
+that owns them: scrub modes in engine/kv_pool.py, attention backends in engine/attention_backend.py,
+transports in transports/registry.py, Mooncake protocols in transports/onesided/mooncake/plane.py.
+"""
 
 from __future__ import annotations
 
@@ -6,88 +15,22 @@ import dataclasses
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from kvfence.app import settings
+from kvfence.app.settings import Settings, section, setting
+from kvfence.engine.attention_backend import BACKEND_NAMES
+from kvfence.engine.kv_pool import SCRUB_MODES
+from kvfence.scheduler.config import SchedulerSettings
+from kvfence.transports.faults import FaultPlan
+from kvfence.transports.onesided.mooncake.plane import PROTOCOLS as MOONCAKE_PROTOCOLS
+from kvfence.transports.registry import known_transports
 
-@dataclasses.dataclass(frozen=True)
-class ServeConfig:
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    dtype: str = "auto"
-    disaggregation: str = "on"  # "on": prefill and decode workers + transport; "off": one colocated worker
-    transport: str = "tcp"
-    prefill_device: str = "auto"
-    decode_device: str = "auto"
-    page_size_tokens: int = 16
-    prefill_num_pages: int | None = None  # default: from prefill_kv_memory, else 2 contexts
-    decode_num_pages: int | None = None  # default: from decode_kv_memory, else 4 contexts
-    prefill_kv_memory: str | None = None  # e.g. "2GiB"
-    decode_kv_memory: str | None = None
-    max_context: int | None = None  # default: the model's context
-    clamp_context: bool = False  # True: shrink the context to what every KV pool holds, not refuse
-    max_running: int = 64
-    max_queue: int = 256
-    max_preemptions: int = 16  # a request preempted more often than this ends with 503
-    chunk_tokens: int | None = None  # default: chunk_tokens_for(the prefill device)
-    shutdown_timeout_s: float = 30.0
-    transfer_timeout_s: float = 30.0
-    queue_timeout_s: float = 60.0  # a request that waits this long for KV pages ends with 503
-    canary_interval_s: float = 30.0  # how often the readiness canary re-checks the serving path
-    kv_scrub: str = "poison"  # what freed KV pages are filled with: poison | zero | off
-    attention_backend: str = "auto"  # auto | torch | triton (engine/attention_backend.py)
-    kv_sanitizer: bool = False  # shadow ledger of every KV slot's writer, checked on every read (tests)
-    fault_inject: str = ""  # testing only: a transports.faults.FaultPlan spec for the sending side
-    transport_secret_file: str | None = None  # deployment secret of the transport endpoints (default: per process)
-    max_body_bytes: int = 16 << 20  # a request body longer than this gets 413 before it is read further
-    stall_timeout_s: float = 30.0  # a streaming client that reads nothing for this long is aborted
-
-    def __post_init__(self) -> None:
-        if self.disaggregation not in ("on", "off"):
-            raise ValueError(f"--disaggregation must be 'on' or 'off', got {self.disaggregation!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("page_size_tokens", "max_running", "max_body_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("prefill_num_pages", "decode_num_pages", "max_context", "chunk_tokens"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-        if self.fault_inject:
-            from kvfence.transports.faults import FaultPlan
-
-            FaultPlan.parse(self.fault_inject)  # raises ValueError naming the problem
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
-        if self.kv_scrub not in ("poison", "zero", "off"):
-            raise ValueError(f"--kv-scrub must be poison, zero or off, got {self.kv_scrub!r}")
-        if self.queue_timeout_s <= 0 or self.transfer_timeout_s <= 0:
-            raise ValueError(f"--queue-timeout and --transfer-timeout must be > 0 s, got "
-                             f"{self.queue_timeout_s} and {self.transfer_timeout_s}")
-        if self.max_preemptions < 0:
-            raise ValueError(f"--max-preemptions must be >= 0, got {self.max_preemptions}")
-        if self.stall_timeout_s <= 0:
-            raise ValueError(f"--stall-timeout must be > 0 s, got {self.stall_timeout_s}")
-        if self.canary_interval_s <= 0:
-            raise ValueError(f"--canary-interval must be > 0 s, got {self.canary_interval_s}")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
-        for name in ("prefill_kv_memory", "decode_kv_memory"):
-            if getattr(self, name) is not None:
-                parse_bytes(getattr(self, name))
-
-    def chunk_tokens_for(self, device_type: str) -> int:
-        """Prefill tokens per step: --chunk-tokens, else a default for the prefill worker's device.
-
-        A prefill step holds up every decode step that shares its compute thread (engine/compute.py;
-        colocated, every step). On a GPU 512 tokens take milliseconds; on a CPU they take about a
-        second (~550 tok/s fp32 on 2 cores), so the CPU default is 128: the worst inter-token gap at
-        16 streams fell from 0.80 s to 0.36 s, throughput unchanged (docs/benchmarks.md)."""
-        if self.chunk_tokens is not None:
-            return self.chunk_tokens
-        return 128 if device_type == "cpu" else 512
-
+DISAGGREGATION = ("on", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# The built-in transports whose endpoints listen on host:port; inprocess and plugins get only
+# the secret and their own table's options.
+LISTENING_TRANSPORTS = ("tcp", "nixl", "mooncake")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -106,50 +49,146 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+@dataclasses.dataclass(frozen=True)
+class ServerConfig(Settings):
+    """The HTTP front end."""
+
+    host: str = setting("127.0.0.1", "address the HTTP API listens on")
+    port: int = setting(8000, "port the HTTP API listens on", at_least=0, at_most=65535)
+    max_body_bytes: int = setting(16 << 20, "largest request body accepted, e.g. 16MiB; a longer one gets 413 "
+                                            "before it is read further", above=0, parse=parse_bytes)
+    stall_timeout_s: float = setting(30.0, "seconds a streaming client may read nothing before its request is "
+                                           "aborted", above=0)
+    shutdown_timeout_s: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM", at_least=0)
+    log_level: str = setting("info", "log level", choices=LOG_LEVELS)
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+@dataclasses.dataclass(frozen=True)
+class WorkersConfig(Settings):
+    """Where and how the prefill and decode workers compute."""
+
+    dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    prefill_device: str = setting("auto", "device of the prefill worker (the colocated one): auto, cpu or cuda:N")
+    decode_device: str = setting("auto", "device of the decode worker: auto, cpu or cuda:N")
+    attention_backend: str = setting("auto", "paged attention and KV store: auto (triton on CUDA when installed, "
+                                             "else torch)", choices=BACKEND_NAMES)
+    kv_sanitizer: bool = setting(False, "record which lease wrote every KV slot and fail any request that reads a "
+                                        "slot its lease did not write (a testing aid; costs a check over the "
+                                        "context per step)")
 
 
-def _coerce(name: str, value: Any) -> Any:
-    kind = _FIELDS[name].type
-    if value is None or not isinstance(value, str):
-        return value
-    if "bool" in str(kind):
-        if value.strip().lower() in _TRUE:
-            return True
-        if value.strip().lower() in _FALSE:
-            return False
-        raise ValueError(value)
-    if "int" in str(kind):
-        return int(value)
-    if "float" in str(kind):
-        return float(value)
-    return value
+@dataclasses.dataclass(frozen=True)
+class PoolsConfig(Settings):
+    """The KV page pools, sized per role against the context at start (app/sizing.py)."""
+
+    page_size_tokens: int = setting(16, "tokens per KV page", above=0, flag="--page-size")
+    prefill_num_pages: int | None = setting(None, "prefill KV pool size in pages (default: from "
+                                                  "--prefill-kv-memory, else 2 full contexts)", above=0)
+    decode_num_pages: int | None = setting(None, "decode (or colocated) KV pool size in pages (default: from "
+                                                 "--decode-kv-memory, else 4 full contexts)", above=0)
+    prefill_kv_memory: int | None = setting(None, "prefill KV pool size in bytes, e.g. 1GiB", above=0,
+                                            parse=parse_bytes)
+    decode_kv_memory: int | None = setting(None, "decode (or colocated) KV pool size in bytes, e.g. 2GiB", above=0,
+                                           parse=parse_bytes)
+    max_context: int | None = setting(None, "longest prompt + completion, in tokens (default: the model's)",
+                                      above=0)
+    clamp_context: bool = setting(False, "serve the largest context every KV pool holds instead of refusing an "
+                                         "undersized pool")
+    kv_scrub: str = setting("poison", "what freed KV pages are filled with (poison: a stale read shows)",
+                            choices=SCRUB_MODES)
+
+
+@dataclasses.dataclass(frozen=True)
+class NixlOptions(Settings):
+    """Options of the nixl transport's endpoints."""
+
+    dest_prefix: ClassVar[str] = "nixl_"
+    backend: str = setting("UCX", "NIXL backend plugin of the data plane")
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeOptions(Settings):
+    """Options of the mooncake transport's endpoints."""
+
+    dest_prefix: ClassVar[str] = "mooncake_"
+    protocol: str = setting("tcp", "Mooncake transfer protocol", choices=MOONCAKE_PROTOCOLS)
+    device_name: str = setting("", "RDMA devices, comma-separated (empty: all, or none for tcp)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig(Settings):
+    """The KV transport between the prefill and the decode worker's endpoints."""
+
+    dest_prefix: ClassVar[str] = "transport_"
+    name: str = setting("tcp", "KV transport plugin", choices=known_transports, dest="transport")
+    host: str = setting("127.0.0.1", "address the transport endpoints listen on (tcp, nixl, mooncake)")
+    prefill_port: int = setting(0, "port of the prefill worker's endpoint (0: an ephemeral port)",
+                                at_least=0, at_most=65535)
+    decode_port: int = setting(0, "port of the decode worker's endpoint (0: an ephemeral port)",
+                               at_least=0, at_most=65535)
+    secret_file: str | None = setting(None, "file holding the deployment secret the transport endpoints "
+                                            "authenticate each other with (at least 32 bytes); default: a fresh "
+                                            "secret per process, enough when both workers live in it")
+    fault_inject: str = setting("", "testing only: inject transfer faults on the sending side, e.g. "
+                                    "'corrupt#3,delay=0.2@0.1'", dest="fault_inject", check=FaultPlan.parse,
+                                env_aliases=("KVFENCE_FAULTS",))
+    nixl: NixlOptions = section(NixlOptions)
+    mooncake: MooncakeOptions = section(MooncakeOptions)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prefill_port and self.prefill_port == self.decode_port:
+            raise ValueError(f"--transport-prefill-port and --transport-decode-port must differ (both endpoints "
+                             f"listen in this process), got {self.prefill_port} for both")
+
+    def endpoint_options(self, role: str) -> dict[str, Any]:
+        """Keyword arguments of `create_transport(self.name, secret=..., **these)` for the endpoint
+        of `role` ("prefill" or "decode"): where it listens, for the transports that listen, and
+        the options of this transport's own table."""
+        if self.name not in LISTENING_TRANSPORTS:
+            return {}
+        port = self.prefill_port if role == "prefill" else self.decode_port
+        own = {"nixl": self.nixl, "mooncake": self.mooncake}.get(self.name)
+        return {"host": self.host, "port": port, **(dataclasses.asdict(own) if own is not None else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryConfig(Settings):
+    """The readiness canary (app/readiness.py)."""
+
+    dest_prefix: ClassVar[str] = "canary_"
+    interval_s: float = setting(30.0, "seconds between readiness canaries through the real serving path", above=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig(Settings):
+    """Everything `kvfence serve` runs with."""
+
+    model: str | None = setting(None, "GGUF file, Hugging Face model directory, or known name (default: "
+                                      "SmolLM2-135M-Instruct)")
+    served_model_name: str | None = setting(None, "the model id clients send (default: from --model)")
+    disaggregation: str = setting("on", "on: separate prefill and decode workers with a KV transport; off: one "
+                                        "colocated worker", choices=DISAGGREGATION)
+    server: ServerConfig = section(ServerConfig)
+    workers: WorkersConfig = section(WorkersConfig)
+    pools: PoolsConfig = section(PoolsConfig)
+    scheduler: SchedulerSettings = section(SchedulerSettings)
+    transport: TransportConfig = section(TransportConfig)
+    canary: CanaryConfig = section(CanaryConfig)
 
 
 def load_config(flags: Mapping[str, Any], environ: Mapping[str, str], config_file: Path | None) -> ServeConfig:
-    """Merge the sources; unknown keys in the file or KVFENCE_ variables that look like settings are errors."""
-    values: dict[str, Any] = {}
+    """Merge the sources (`flags` by dest, e.g. {"max_running": 8}; None: not given). ValueError,
+    naming the file, the variable or the flag, for anything that is not a setting or its value."""
+    table: dict[str, Any] = {}
     if config_file is not None:
         try:
-            data = tomllib.loads(config_file.read_text())
+            table = tomllib.loads(config_file.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"--config {config_file}: {e}") from e
-        for key, value in data.items():
-            name = key.replace("-", "_")
-            if name not in _FIELDS:
-                raise ValueError(f"--config {config_file}: unknown setting {key!r}")
-            values[name] = value
-    for name in _FIELDS:
-        env = environ.get("KVFENCE_" + name.upper())
-        if env is not None:
-            try:
-                values[name] = _coerce(name, env)
-            except ValueError:
-                raise ValueError(f"KVFENCE_{name.upper()}={env!r} is not a valid value") from None
-    if "KVFENCE_FAULTS" in environ and "KVFENCE_FAULT_INJECT" not in environ:  # the short name
-        values["fault_inject"] = environ["KVFENCE_FAULTS"]
-    values.update({k: v for k, v in flags.items() if k in _FIELDS and v is not None})
-    return ServeConfig(**values)
+    return settings.load(ServeConfig, flags, environ, table, source=f"--config {config_file}")
+
+
+def config_reference() -> str:
+    """The markdown table of every setting that README.md carries."""
+    return settings.reference(ServeConfig)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from anyio.abc import TaskGroup
@@ -48,15 +49,17 @@ class PairedWorkers:
 
 async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, PairingRecord],
                        decode: tuple[KVPool, PairingRecord], secret: DeploymentSecret, fault_inject: str = "",
-                       options: dict[str, Any] | None = None) -> PairedWorkers:
-    """Start a `transport` endpoint per role (constructed with the deployment `secret` and
-    `options`) over its pool and pair prefill -> decode; `fault_inject` (a FaultPlan spec) wraps
-    the sending side.
+                       options: Mapping[str, Any] | None = None, *,
+                       role_options: Mapping[str, Mapping[str, Any]] | None = None) -> PairedWorkers:
+    """Start a `transport` endpoint per role (constructed with the deployment `secret`, `options`
+    and that role's `role_options["prefill"|"decode"]`, e.g. where it listens) over its pool and
+    pair prefill -> decode; `fault_inject` (a FaultPlan spec) wraps the sending side.
 
     Raises PairingRefused (after logging it and closing both endpoints) when the records disagree."""
     (prefill_pool, prefill_record), (decode_pool, decode_record) = prefill, decode
-    sender = create_transport(transport, secret=secret, **(options or {}))
-    receiver = create_transport(transport, secret=secret, **(options or {}))
+    own = role_options or {}
+    sender = create_transport(transport, secret=secret, **(options or {}), **own.get("prefill", {}))
+    receiver = create_transport(transport, secret=secret, **(options or {}), **own.get("decode", {}))
     endpoints = [sender, receiver]
     if fault_inject:
         log.warning("FAULT INJECTION is on for KV transfers: %s", fault_inject)

@@ -54,7 +54,7 @@ class ReadinessCanary:
     def _local_answer(self) -> list[int]:
         """The canary's greedy ids on this model without any transport (runs on the prefill worker's
         compute thread)."""
-        page_size = 16
+        page_size = self.scheduler.config.page_size_tokens  # the served pools' page size
         pages = -(-(len(self.prompt) + CANARY_TOKENS) // page_size)
         pool = KVPool(self.model.config, pages, page_size, self.model.dtype, self.model.device)
         engine = OfflineEngine(ModelRunner(self.model, pool), self.scheduler.tokenizer)

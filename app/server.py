@@ -26,7 +26,6 @@ from kvfence.engine.compute import confine_to_one_intra_op_thread
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.worker import WorkerChannel
-from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.metrics import SchedulerMetrics
@@ -98,44 +97,45 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
         if workers.decode is not None:
             model_id = model_identity(checkpoint, model_name)
             roles = [(pool, role_record(pool, model_id, context)) for pool in (prefill_pool, decode_pool)]
-            secret = DeploymentSecret.from_file(config.transport_secret_file) if config.transport_secret_file \
+            transport = config.transport
+            secret = DeploymentSecret.from_file(transport.secret_file) if transport.secret_file \
                 else DeploymentSecret.generate()  # both workers live in this process
             try:
-                paired = await pair_workers(tg, config.transport, roles[0], roles[1], secret, config.fault_inject)
+                paired = await pair_workers(tg, transport.name, roles[0], roles[1], secret, transport.fault_inject,
+                                            role_options={role: transport.endpoint_options(role)
+                                                          for role in ("prefill", "decode")})
             except PairingRefused:
                 tg.cancel_scope.cancel()
                 return 1
             link, transports, context = paired.link, paired.endpoints, paired.max_context_tokens
-        chunk_tokens = config.chunk_tokens_for(workers.prefill.device.type)
+        scheduler_config = config.scheduler.bind(
+            page_size_tokens=config.pools.page_size_tokens, max_context_tokens=context,
+            disaggregated=workers.decode is not None, prefill_device_type=workers.prefill.device.type)
         scheduler = Scheduler(
-            SchedulerConfig(page_size_tokens=config.page_size_tokens, max_context_tokens=context,
-                            max_running=config.max_running, max_queue=config.max_queue,
-                            max_preemptions=config.max_preemptions,
-                            chunk_tokens=chunk_tokens, disaggregated=workers.decode is not None,
-                            transfer_timeout_s=config.transfer_timeout_s, queue_timeout_s=config.queue_timeout_s),
-            checkpoint.tokenizer, WorkerChannel(workers.prefill, workers.compute_of(workers.prefill)),
+            scheduler_config, checkpoint.tokenizer, WorkerChannel(workers.prefill, workers.compute_of(workers.prefill)),
             WorkerChannel(workers.decode, workers.compute_of(workers.decode)) if workers.decode is not None else None,
             prefill_pages=prefill_pool.num_pages, decode_pages=decode_pool.num_pages, link=link, metrics=metrics)
         await scheduler.run(tg)
         canary = ReadinessCanary(scheduler, checkpoint.tokenizer, workers.prefill.runner.model,
-                                 interval_s=config.canary_interval_s, timeout_s=config.transfer_timeout_s + 30)
+                                 interval_s=config.canary.interval_s,
+                                 timeout_s=scheduler_config.transfer_timeout_s + 30)
         engine = ServingEngine(model_name, checkpoint.tokenizer, scheduler, canary)
 
         def metrics_text() -> tuple[bytes, str]:
             scheduler.refresh_metrics()
             return metrics.render()
 
-        app = build_app(engine, metrics_text, max_body_bytes=config.max_body_bytes,
-                        stall_timeout_s=config.stall_timeout_s)
+        http = config.server
+        app = build_app(engine, metrics_text, max_body_bytes=http.max_body_bytes, stall_timeout_s=http.stall_timeout_s)
         hyper = HypercornConfig()
-        hyper.bind = [f"{config.host}:{config.port}"]
+        hyper.bind = [f"{http.host}:{http.port}"]
         hyper.accesslog = None
         hyper.graceful_timeout = 1.0
         shutdown = anyio.Event()
-        tg.start_soon(_drain_on_signal, scheduler, shutdown, config.shutdown_timeout_s)
+        tg.start_soon(_drain_on_signal, scheduler, shutdown, http.shutdown_timeout_s)
         tg.start_soon(canary.run, name="readiness-canary")
         log.info("serving %s on http://%s:%d (context %d tokens, prefill chunks of %d tokens, %s)", model_name,
-                 config.host, config.port, context, chunk_tokens,
+                 http.host, http.port, context, scheduler_config.chunk_tokens,
                  "disaggregated" if workers.decode is not None else "colocated")
         served = anyio.Event()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfence.app.config import ServeConfig, parse_bytes
+from kvfence.app.config import ServeConfig
 from kvfence.engine.model_config import ModelConfig
 
 # Pools sized by default hold this many full contexts.
@@ -90,19 +90,20 @@ class UndersizedPoolError(ValueError):
 
 
 def configured_context(config: ServeConfig, model: ModelConfig) -> int:
-    """`config.max_context`, else the model's context; never more than the model's."""
-    return min(config.max_context or model.max_context_tokens, model.max_context_tokens)
+    """`--max-context`, else the model's context; never more than the model's."""
+    return min(config.pools.max_context or model.max_context_tokens, model.max_context_tokens)
 
 
 def _num_pages(config: ServeConfig, prefix: str, bytes_per_page: int, context_tokens: int) -> int:
     """Explicit pages, else memory // bytes per page (at least 1), else DEFAULT_CONTEXTS[prefix] contexts."""
-    pages = getattr(config, f"{prefix}_num_pages")
-    memory = getattr(config, f"{prefix}_kv_memory")
+    pools = config.pools
+    pages = getattr(pools, f"{prefix}_num_pages")
+    memory = getattr(pools, f"{prefix}_kv_memory")  # bytes
     if pages is not None:
         return int(pages)
     if memory is not None:
-        return max(1, parse_bytes(memory) // bytes_per_page)
-    return -(-DEFAULT_CONTEXTS[prefix] * context_tokens // config.page_size_tokens)
+        return max(1, memory // bytes_per_page)
+    return -(-DEFAULT_CONTEXTS[prefix] * context_tokens // pools.page_size_tokens)
 
 
 def plan_pools(config: ServeConfig, model: ModelConfig, element_size: int) -> list[PoolPlan]:
@@ -114,14 +115,15 @@ def plan_pools(config: ServeConfig, model: ModelConfig, element_size: int) -> li
         raise ValueError(f"element_size must be > 0 bytes, got {element_size}")
     context = configured_context(config, model)
     bytes_per_token = model.kv_bytes_per_token(element_size)
-    bytes_per_page = bytes_per_token * config.page_size_tokens
+    page_size_tokens = config.pools.page_size_tokens
+    bytes_per_page = bytes_per_token * page_size_tokens
     roles = ["prefill", "decode"] if config.disaggregation == "on" else ["colocated"]
     plans = []
     for role in roles:
         prefix = "prefill" if role == "prefill" else "decode"
         pages = _num_pages(config, prefix, bytes_per_page, context)
-        tokens = pages * config.page_size_tokens
-        plans.append(PoolPlan(role, pages, config.page_size_tokens, bytes_per_token, tokens,
+        tokens = pages * page_size_tokens
+        plans.append(PoolPlan(role, pages, page_size_tokens, bytes_per_token, tokens,
                               tokens * bytes_per_token))
     return plans
 
@@ -156,7 +158,7 @@ def resolve_context(config: ServeConfig, model: ModelConfig,
     """The context to advertise, and each pool's verdict against it.
 
     The configured context (see configured_context) if every pool holds it. Otherwise, with
-    `config.clamp_context`, the largest context every pool holds (the smallest pool_tokens), with the
+    `config.pools.clamp_context`, the largest context every pool holds (the smallest pool_tokens), with the
     verdicts recomputed for it; without, UndersizedPoolError. "warn" verdicts are returned, not raised.
     """
     if not plans:
@@ -166,7 +168,7 @@ def resolve_context(config: ServeConfig, model: ModelConfig,
     if all(v.verdict != "undersized" for v in verdicts):
         return context, verdicts
     fitting = min(p.pool_tokens for p in plans)
-    if config.clamp_context:
+    if config.pools.clamp_context:
         return fitting, check_sizing(plans, fitting)
     raise UndersizedPoolError(_undersized_message(plans, verdicts, fitting), verdicts, fitting)
 

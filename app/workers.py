@@ -44,10 +44,11 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads:
     and everything of its workers, from the weights and the pool's memory on, is made there.
 
     Raises UndersizedPoolError, before anything is allocated, when a pool cannot hold one request
-    of the full context (unless config.clamp_context)."""
+    of the full context (unless --clamp-context)."""
     roles = ["prefill"] if config.disaggregation == "off" else ["prefill", "decode"]
-    devices = {"prefill": pick_device(config.prefill_device), "decode": pick_device(config.decode_device)}
-    dtype = pick_dtype(config.dtype, devices["prefill"])
+    devices = {"prefill": pick_device(config.workers.prefill_device),
+               "decode": pick_device(config.workers.decode_device)}
+    dtype = pick_dtype(config.workers.dtype, devices["prefill"])
     # Pool sizes (a colocated pool is sized like a decode pool) come from app/sizing.py.
     plans = plan_pools(config, checkpoint.config, torch.empty(0, dtype=dtype).element_size())
     context, verdicts = resolve_context(config, checkpoint.config, plans)
@@ -63,15 +64,16 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads:
             if device not in compute:
                 compute[device] = ComputeThread(f"compute-{device}", intra_op_threads)
                 models[device] = compute[device].call(LlamaModel, checkpoint, dtype, device,
-                                                      config.attention_backend)
+                                                      config.workers.attention_backend)
             model = models[device]
             pool = compute[device].call(KVPool, model.config, plan.num_pages, plan.page_size_tokens, dtype, device)
             log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s, %s attention, "
                      "%d intra-op threads)", plan.role, device, plan.num_pages, plan.page_size_tokens,
                      pool.capacity_tokens, plan.pool_bytes / 2**20, str(dtype).removeprefix("torch."),
                      model.attention.name, compute[device].intra_op_threads)
-            sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if config.kv_sanitizer else None
-            workers[role] = Worker(plan.role, ModelRunner(model, pool, sanitizer=sanitizer), scrub=config.kv_scrub)
+            sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if config.workers.kv_sanitizer else None
+            workers[role] = Worker(plan.role, ModelRunner(model, pool, sanitizer=sanitizer),
+                                   scrub=config.pools.kv_scrub)
     except BaseException:
         for thread in compute.values():
             thread.close()

@@ -1,34 +1,70 @@
-"""Scheduler settings: frozen, validated with messages a user can act on."""
+"""Scheduler settings: the `[scheduler]` table a user sets, and the config the scheduler runs with.
+
+`SchedulerSettings` declares what a user sets (app/settings.py makes its flags, KVFENCE_* variables
+and TOML keys); `SchedulerConfig` adds what the server binds at start (`SchedulerSettings.bind`):
+the pools' page size, the served context, the mode and the prefill chunk for the prefill device.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+from kvfence.app.settings import Settings, setting
+
+# Prefill tokens per step by the prefill worker's device type, when --chunk-tokens is not given.
+# A prefill step holds up every decode step that shares its compute thread (engine/compute.py;
+# colocated, every step). On a GPU 512 tokens take milliseconds; on a CPU they take about a second
+# (~550 tok/s fp32 on 2 cores), so the CPU default is 128: the worst inter-token gap at 16 streams
+# fell from 0.80 s to 0.36 s, throughput unchanged (docs/benchmarks.md).
+CHUNK_TOKENS_BY_DEVICE = {"cpu": 128}
+CHUNK_TOKENS_ELSEWHERE = 512
+
 
 @dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    page_size_tokens: int = 16
+class SchedulerSettings(Settings):
+    """Admission limits, batching and timeouts."""
+
+    max_running: int = setting(64, "requests holding pages at once", above=0)
+    max_queue: int = setting(256, "requests waiting for pages before 503", at_least=0)
+    max_preemptions: int = setting(16, "times a running request may be sent back to the queue when the decode "
+                                       "pool runs out before it ends with 503", at_least=0)
+    chunk_tokens: int | None = setting(None, f"prefill tokens per step (default: {CHUNK_TOKENS_BY_DEVICE['cpu']} "
+                                             f"when prefill runs on a CPU, {CHUNK_TOKENS_ELSEWHERE} on a GPU)", above=0)
+    queue_timeout_s: float = setting(60.0, "seconds a request may wait for KV pages before it gets 503", above=0)
+    transfer_timeout_s: float = setting(30.0, "seconds a KV transfer may take before it fails (its pages are "
+                                              "quarantined)", above=0)
+    heartbeat_s: float = setting(1.0, "seconds between asking each worker for its incarnation", above=0)
+
+    def chunk_tokens_for(self, device_type: str) -> int:
+        """Prefill tokens per step: --chunk-tokens, else the default for the prefill worker's device."""
+        if self.chunk_tokens is not None:
+            return self.chunk_tokens
+        return CHUNK_TOKENS_BY_DEVICE.get(device_type, CHUNK_TOKENS_ELSEWHERE)
+
+    def bind(self, *, page_size_tokens: int, max_context_tokens: int, disaggregated: bool,
+             prefill_device_type: str) -> SchedulerConfig:
+        """The config a scheduler runs with: these settings plus what the server fixed at start."""
+        mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerSettings)}
+        mine["chunk_tokens"] = self.chunk_tokens_for(prefill_device_type)
+        return SchedulerConfig(**mine, page_size_tokens=page_size_tokens, max_context_tokens=max_context_tokens,
+                               disaggregated=disaggregated)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(SchedulerSettings):
+    """What the scheduler takes. Built by `SchedulerSettings.bind` when serving; tests build it directly."""
+
+    page_size_tokens: int  # the pools' page size (app/config.py PoolsConfig)
     max_context_tokens: int = 8192  # the effective limit (already min'ed with model and pools)
-    max_running: int = 64  # requests decoding at once
-    max_queue: int = 256  # requests waiting for pages; beyond it: 503 with Retry-After
-    chunk_tokens: int = 512  # prefill tokens per step (chunked prefill budget)
     disaggregated: bool = True
-    transfer_timeout_s: float = 30.0
-    queue_timeout_s: float = 60.0  # a request waiting this long for pages ends with 503
-    heartbeat_s: float = 1.0  # how often each worker is asked for its incarnation
-    max_preemptions: int = 16  # a request preempted more often than this ends with 503 instead
+    chunk_tokens: int = CHUNK_TOKENS_ELSEWHERE  # prefill tokens per step, resolved (chunk_tokens_for)
 
     def __post_init__(self) -> None:
-        for name in ("page_size_tokens", "max_context_tokens", "max_running", "chunk_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if self.max_queue < 0:
-            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.max_preemptions < 0:
-            raise ValueError(f"--max-preemptions must be >= 0, got {self.max_preemptions}")
-        if self.transfer_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.heartbeat_s <= 0:
-            raise ValueError(f"timeouts must be > 0 s, got transfer {self.transfer_timeout_s}, "
-                             f"queue {self.queue_timeout_s}, heartbeat {self.heartbeat_s}")
+        super().__post_init__()
+        for flag, value in (("--page-size", self.page_size_tokens), ("--max-context", self.max_context_tokens),
+                            ("--chunk-tokens", self.chunk_tokens)):
+            if value <= 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size_tokens)

@@ -29,13 +29,15 @@ import anyio
 import msgspec
 import torch
 
+from kvfence.app.config import PoolsConfig
 from kvfence.transports.base import PairingRecord, TransferManifest, TransportUnavailable
 from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, DeploymentSecret
 from kvfence.transports.registry import create_transport
 from kvfence.transports.wire.handshake import MAGIC
 
 SECRET = DeploymentSecret.generate()
-PAGE_NBYTES = 46_080 * 16
+PAGE_TOKENS = PoolsConfig().page_size_tokens  # the default page size
+PAGE_NBYTES = 46_080 * PAGE_TOKENS  # one fp32 page of the default model
 
 
 def median_us(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
@@ -49,7 +51,7 @@ def median_us(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
 
 def manifest_for(num_pages: int) -> TransferManifest:
     return TransferManifest(secrets.token_hex(16), secrets.token_hex(16), secrets.token_hex(16),
-                            num_pages * 16, num_pages)
+                            num_pages * PAGE_TOKENS, num_pages)
 
 
 def bench_capability(repeat: int) -> None:
@@ -107,8 +109,8 @@ def raw_connect_rtt(repeat: int) -> float:
 
 
 async def bench_pair(name: str, repeat: int) -> None:
-    record = PairingRecord("bench@1", "float32", 16, PAGE_NBYTES, "pages,layers,kv,kv_heads,page_size,head_dim",
-                           "xxh3_64", 8192, secrets.token_hex(8))
+    record = PairingRecord("bench@1", "float32", PAGE_TOKENS, PAGE_NBYTES,
+                           "pages,layers,kv,kv_heads,page_size,head_dim", "xxh3_64", 8192, secrets.token_hex(8))
     src, dst = torch.randn(4, PAGE_NBYTES // 4), torch.zeros(4, PAGE_NBYTES // 4)
     try:
         tx, rx = create_transport(name, secret=SECRET), create_transport(name, secret=SECRET)

@@ -38,15 +38,14 @@ def bookkeeping(args: argparse.Namespace) -> None:
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.model_registry import resolve_model
     from kvfence.engine.sampling import SamplingParams
-    from kvfence.scheduler.config import SchedulerConfig
     from kvfence.scheduler.driver import Scheduler
 
     checkpoint = load_checkpoint(resolve_model(None, kvfence_home(), progress=False))
     serve = ServeConfig()
     plans = {p.role: p for p in plan_pools(serve, checkpoint.config, element_size=4)}
     context, _ = resolve_context(serve, checkpoint.config, list(plans.values()))
-    config = SchedulerConfig(page_size_tokens=serve.page_size_tokens, max_context_tokens=context,
-                             max_running=serve.max_running, max_queue=serve.max_queue)
+    config = serve.scheduler.bind(page_size_tokens=serve.pools.page_size_tokens, max_context_tokens=context,
+                                  disaggregated=True, prefill_device_type="cpu")
     # Admission and reservation are synchronous: no worker is called until the driver runs.
     prefill, decode = types.SimpleNamespace(role="prefill"), types.SimpleNamespace(role="decode")
     scheduler = Scheduler(config, checkpoint.tokenizer, prefill, decode,  # type: ignore[arg-type]

@@ -14,7 +14,9 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-PAGE_NBYTES = 46_080 * 16  # one fp32 page of the default model
+from kvfence.app.config import PoolsConfig
+
+PAGE_NBYTES = 46_080 * PoolsConfig().page_size_tokens  # one fp32 page of the default model, default page size
 
 
 def algorithms() -> dict[str, Callable[[memoryview], object]]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Engine throughput on this machine: prefill and decode tokens/s at several batch sizes and dtypes.
 
-Runs the real model through ModelRunner over the paged KV pool (page size 16), greedy sampling.
+Runs the real model through ModelRunner over the paged KV pool (the default page size), greedy sampling.
 Usage: .venv/bin/python scripts/bench_engine.py [--model M] [--dtypes float32,bfloat16]
        [--batches 1,8,32] [--prompt-tokens 128] [--decode-steps 32] [--threads N]
 """
@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from kvfence.app.config import PoolsConfig
 from kvfence.app.environment import kvfence_home
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
@@ -21,7 +22,7 @@ from kvfence.engine.loading import DTYPES, load_model_spec
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
 
-PAGE_SIZE = 16
+PAGE_SIZE = PoolsConfig().page_size_tokens
 GREEDY = SamplingParams(temperature=0.0)
 LEASE = 1 << 100  # any nonzero 128-bit lease
 

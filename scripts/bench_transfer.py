@@ -44,6 +44,7 @@ import anyio
 import msgspec
 import torch
 
+from kvfence.app.config import PoolsConfig
 from kvfence.scheduler.ids import mint_id
 from kvfence.scheduler.messages import id_hex
 from kvfence.transports.base import PairingRecord, Peer, TransferManifest, Transport, TransportUnavailable
@@ -52,7 +53,7 @@ from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.inprocess import InProcessHub
 from kvfence.transports.registry import create_transport
 
-PAGE_TOKENS = 16
+PAGE_TOKENS = PoolsConfig().page_size_tokens  # the default page size
 PAGE_NBYTES = 46_080 * PAGE_TOKENS  # one fp32 page of the default model
 POOL_PAGES = (256 << 20) // PAGE_NBYTES  # 364
 SIZES = {"page": 1, "request": 2048 // PAGE_TOKENS, "256MiB": POOL_PAGES}

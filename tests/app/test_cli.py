@@ -67,3 +67,24 @@ def test_fetch_failure_names_the_step(tmp_path: Path) -> None:
     proc = kvfence("fetch", env=env)
     assert proc.returncode == 2
     assert "step 'download'" in proc.stderr and "--model" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "check"])
+def test_help_comes_from_the_declarations(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfence.app import settings
+    from kvfence.app.cli import main
+    from kvfence.app.config import ServeConfig
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for d in settings.declared(ServeConfig):
+        assert d.flag in text and " ".join(d.setting.help.split()) in text, d.toml_key
+
+
+def test_config_reference_prints_the_generated_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfence.app.cli import main
+    from kvfence.app.config import config_reference
+
+    assert main(["config-reference"]) == 0
+    assert capsys.readouterr().out == config_reference()

@@ -6,14 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.app.config import ServeConfig, load_config, parse_bytes
+from kvfence.app.config import ServeConfig, config_reference, load_config, parse_bytes
+from kvfence.scheduler.config import SchedulerSettings
 
 
 def test_precedence(tmp_path: Path) -> None:
     f = tmp_path / "kvfence.toml"
-    f.write_text('port = 9001\nmax-running = 3\ntransport = "inprocess"\nmax_queue = 7\n')
+    f.write_text('[server]\nport = 9001\n[scheduler]\nmax-running = 3\nmax_queue = 7\n'
+                 '[transport]\nname = "inprocess"\n')
     c = load_config({"port": 9003, "max_queue": None}, {"KVFENCE_PORT": "9002", "KVFENCE_MAX_RUNNING": "5"}, f)
-    assert (c.port, c.max_running, c.transport, c.max_queue) == (9003, 5, "inprocess", 7)
+    assert (c.server.port, c.scheduler.max_running, c.transport.name, c.scheduler.max_queue) == (
+        9003, 5, "inprocess", 7)
     assert load_config({}, {}, None) == ServeConfig()
 
 
@@ -51,25 +54,72 @@ def test_parse_bytes() -> None:
 
 
 def test_boolean_from_environment() -> None:
-    assert load_config({}, {"KVFENCE_CLAMP_CONTEXT": "true"}, None).clamp_context is True
-    assert load_config({}, {"KVFENCE_CLAMP_CONTEXT": "0"}, None).clamp_context is False
+    assert load_config({}, {"KVFENCE_CLAMP_CONTEXT": "true"}, None).pools.clamp_context is True
+    assert load_config({}, {"KVFENCE_CLAMP_CONTEXT": "0"}, None).pools.clamp_context is False
     with pytest.raises(ValueError, match="KVFENCE_CLAMP_CONTEXT='maybe'"):
         load_config({}, {"KVFENCE_CLAMP_CONTEXT": "maybe"}, None)
-    assert load_config({"kv_scrub": "zero"}, {}, None).kv_scrub == "zero"
+    assert load_config({"kv_scrub": "zero"}, {}, None).pools.kv_scrub == "zero"
     with pytest.raises(ValueError, match="--kv-scrub"):
         load_config({"kv_scrub": "shred"}, {}, None)
 
 
 def test_fault_injection_setting() -> None:
-    assert load_config({}, {"KVFENCE_FAULTS": "corrupt#2"}, None).fault_inject == "corrupt#2"
-    assert load_config({}, {}, None).fault_inject == ""  # off unless configured
+    assert load_config({}, {"KVFENCE_FAULTS": "corrupt#2"}, None).transport.fault_inject == "corrupt#2"
+    assert load_config({}, {}, None).transport.fault_inject == ""  # off unless configured
     with pytest.raises(ValueError, match="unknown fault"):
         load_config({"fault_inject": "explode"}, {}, None)
 
 
 def test_prefill_chunk_default_follows_the_prefill_device() -> None:
     # A CPU prefill step holds up the decode steps on the same cores: smaller chunks there.
-    assert ServeConfig().chunk_tokens_for("cpu") == 128
-    assert ServeConfig().chunk_tokens_for("cuda") == 512
-    assert ServeConfig(chunk_tokens=64).chunk_tokens_for("cuda") == 64
-    assert load_config({}, {"KVFENCE_CHUNK_TOKENS": "256"}, None).chunk_tokens_for("cpu") == 256
+    assert ServeConfig().scheduler.chunk_tokens_for("cpu") == 128
+    assert ServeConfig().scheduler.chunk_tokens_for("cuda") == 512
+    assert SchedulerSettings(chunk_tokens=64).chunk_tokens_for("cuda") == 64
+    assert load_config({}, {"KVFENCE_CHUNK_TOKENS": "256"}, None).scheduler.chunk_tokens_for("cpu") == 256
+
+
+def test_transport_endpoint_options() -> None:
+    # The defaults are what the transports' constructors default to: loopback, ephemeral ports.
+    assert ServeConfig().transport.endpoint_options("prefill") == {"host": "127.0.0.1", "port": 0}
+    c = load_config({"transport": "mooncake", "transport_decode_port": 7001, "transport_host": "10.0.0.2"},
+                    {"KVFENCE_MOONCAKE_PROTOCOL": "rdma", "KVFENCE_MOONCAKE_DEVICE_NAME": "mlx5_0"}, None)
+    assert c.transport.endpoint_options("prefill") == {"host": "10.0.0.2", "port": 0, "protocol": "rdma",
+                                                       "device_name": "mlx5_0"}
+    assert c.transport.endpoint_options("decode")["port"] == 7001
+    nixl = load_config({"transport": "nixl", "nixl_backend": "GDS"}, {}, None).transport
+    assert nixl.endpoint_options("decode") == {"host": "127.0.0.1", "port": 0, "backend": "GDS"}
+    assert load_config({"transport": "inprocess"}, {}, None).transport.endpoint_options("decode") == {}
+    with pytest.raises(ValueError, match="--mooncake-protocol must be 'tcp' or 'rdma'"):
+        load_config({"mooncake_protocol": "ib"}, {}, None)
+    with pytest.raises(ValueError, match="--transport-prefill-port and --transport-decode-port must differ"):
+        load_config({"transport_prefill_port": 7001, "transport_decode_port": 7001}, {}, None)
+    with pytest.raises(ValueError, match="--transport must be .*'tcp', got 'carrier-pigeon'"):
+        load_config({}, {"KVFENCE_TRANSPORT": "carrier-pigeon"}, None)
+
+
+def test_nested_tables_and_sizes_from_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "kvfence.toml"
+    f.write_text('[pools]\ndecode_kv_memory = "2GiB"\n[transport.mooncake]\nprotocol = "rdma"\n'
+                 '[server]\nmax_body_bytes = "1MiB"\nstall_timeout_s = 5\n')
+    c = load_config({}, {}, f)
+    assert (c.pools.decode_kv_memory, c.server.max_body_bytes, c.server.stall_timeout_s) == (2 << 30, 1 << 20, 5.0)
+    assert c.transport.mooncake.protocol == "rdma"
+    f.write_text("port = 9000\n")  # the flat key of the flag: the message says where it lives
+    with pytest.raises(ValueError, match=r"unknown setting 'port'; did you mean 'port' in the \[server\] table"):
+        load_config({}, {}, f)
+    f.write_text('[server]\nport = "http"\n')
+    with pytest.raises(ValueError, match="--port must be an integer, got 'http'"):
+        load_config({}, {}, f)
+
+
+README = Path(__file__).parents[2] / "README.md"
+START, END = "<!-- settings reference:", "<!-- end of settings reference -->"
+
+
+def test_the_readme_reference_is_the_generated_one(tmp_path: Path) -> None:
+    text = README.read_text()
+    block = text[text.index(START):text.index(END)]
+    assert block.split("\n", 1)[1] == config_reference(), "regenerate it: kvfence config-reference"
+    example = text[text.index("```toml\n") + len("```toml\n"):]
+    (tmp_path / "example.toml").write_text(example[:example.index("```")])
+    assert load_config({}, {}, tmp_path / "example.toml").pools.decode_kv_memory == 2 << 30  # the example is valid

@@ -65,3 +65,22 @@ async def test_different_models_refuse_the_pair(tiny: Checkpoint) -> None:
                                options={"hub": InProcessHub()})
 
 
+
+
+async def test_each_role_listens_where_its_options_say(tiny: Checkpoint) -> None:
+    import socket
+
+    from kvfence.app.config import load_config
+
+    with socket.socket() as s:  # a port free a moment ago
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    transport = load_config({"transport_decode_port": port}, {}, None).transport
+    prefill, decode = pool(tiny, 16), pool(tiny, 16)
+    async with anyio.create_task_group() as tg:
+        paired = await pair_workers(tg, transport.name, (prefill, role_record(prefill, "m", 64)),
+                                    (decode, role_record(decode, "m", 64)), DeploymentSecret.generate(),
+                                    role_options={r: transport.endpoint_options(r) for r in ("prefill", "decode")})
+        assert paired.link.peer.info.address == f"127.0.0.1:{port}"
+        for endpoint in paired.endpoints:
+            await endpoint.aclose()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import subprocess
 import sys
@@ -33,6 +32,11 @@ def smol(default_model_path: Path) -> ModelConfig:
     return gguf_loader.config_from_fields(gguf_loader._open(default_model_path), default_model_path)
 
 
+def serve_config(**flags: object) -> ServeConfig:
+    """A config from settings named as their flags' dests, e.g. page_size_tokens=4."""
+    return load_config(flags, {}, None)
+
+
 def by_role(verdicts: list[SizingVerdict]) -> dict[str, tuple[int, int, float, str]]:
     return {v.role: (v.pool_tokens, v.context_tokens, v.ratio, v.verdict) for v in verdicts}
 
@@ -47,9 +51,9 @@ def test_bytes_per_token_of_the_default_model(smol: ModelConfig) -> None:
 
 
 def test_bytes_per_token_of_a_hand_made_model() -> None:
-    plans = plan_pools(ServeConfig(page_size_tokens=4), TINY, FP32)
+    plans = plan_pools(serve_config(page_size_tokens=4), TINY, FP32)
     assert [p.bytes_per_token for p in plans] == [256, 256]
-    assert plan_pools(ServeConfig(page_size_tokens=4), TINY, BF16)[0].bytes_per_token == 128
+    assert plan_pools(serve_config(page_size_tokens=4), TINY, BF16)[0].bytes_per_token == 128
 
 
 def test_default_pools_hold_two_and_four_contexts(smol: ModelConfig) -> None:
@@ -62,11 +66,11 @@ def test_default_pools_hold_two_and_four_contexts(smol: ModelConfig) -> None:
 
 
 def test_max_context_sizes_default_pools_and_is_capped_at_the_model(smol: ModelConfig) -> None:
-    short = ServeConfig(max_context=1000)
+    short = serve_config(max_context=1000)
     plans = plan_pools(short, smol, FP32)
     assert [p.num_pages for p in plans] == [125, 250]  # ceil(2 * 1000 / 16), ceil(4 * 1000 / 16)
     assert resolve_context(short, smol, plans)[0] == 1000
-    long = ServeConfig(max_context=100_000)
+    long = serve_config(max_context=100_000)
     plans = plan_pools(long, smol, FP32)
     assert [p.num_pages for p in plans] == [1024, 2048]
     assert resolve_context(long, smol, plans)[0] == 8192
@@ -74,14 +78,14 @@ def test_max_context_sizes_default_pools_and_is_capped_at_the_model(smol: ModelC
 
 @pytest.mark.parametrize("pages, verdict", [(15, "undersized"), (16, "warn"), (31, "warn"), (32, "ok")])
 def test_verdict_boundaries(pages: int, verdict: str) -> None:
-    plans = plan_pools(ServeConfig(page_size_tokens=4, prefill_num_pages=pages), TINY, FP32)
+    plans = plan_pools(serve_config(page_size_tokens=4, prefill_num_pages=pages), TINY, FP32)
     prefill = check_sizing(plans, 64)[0]
     assert (prefill.role, prefill.pool_tokens, prefill.verdict) == ("prefill", 4 * pages, verdict)
     assert prefill.ratio == pytest.approx(4 * pages / 64)
 
 
 def test_a_pool_under_two_contexts_warns_and_is_served(smol: ModelConfig) -> None:
-    config = ServeConfig(prefill_num_pages=768)  # 12,288 tokens = 1.5 contexts
+    config = serve_config(prefill_num_pages=768)  # 12,288 tokens = 1.5 contexts
     context, verdicts = resolve_context(config, smol, plan_pools(config, smol, FP32))
     assert context == 8192
     assert by_role(verdicts) == {"prefill": (12_288, 8192, 1.5, "warn"), "decode": (32_768, 8192, 4.0, "ok")}
@@ -89,7 +93,7 @@ def test_a_pool_under_two_contexts_warns_and_is_served(smol: ModelConfig) -> Non
 
 
 def test_an_undersized_prefill_pool_is_refused(smol: ModelConfig) -> None:
-    config = ServeConfig(prefill_num_pages=8)  # 8 x 16 = 128 tokens
+    config = serve_config(prefill_num_pages=8)  # 8 x 16 = 128 tokens
     with pytest.raises(UndersizedPoolError) as e:
         resolve_context(config, smol, plan_pools(config, smol, FP32))
     message = str(e.value)
@@ -102,14 +106,14 @@ def test_an_undersized_prefill_pool_is_refused(smol: ModelConfig) -> None:
 
 
 def test_clamp_context_shrinks_to_the_prefill_pool(smol: ModelConfig) -> None:
-    config = ServeConfig(prefill_num_pages=8, clamp_context=True)
+    config = serve_config(prefill_num_pages=8, clamp_context=True)
     context, verdicts = resolve_context(config, smol, plan_pools(config, smol, FP32))
     assert context == 128
     assert by_role(verdicts) == {"prefill": (128, 128, 1.0, "warn"), "decode": (32_768, 128, 256.0, "ok")}
 
 
 def test_an_undersized_decode_pool_is_refused_or_clamped(smol: ModelConfig) -> None:
-    config = ServeConfig(decode_num_pages=4)  # 64 tokens
+    config = serve_config(decode_num_pages=4)  # 64 tokens
     with pytest.raises(UndersizedPoolError) as e:
         resolve_context(config, smol, plan_pools(config, smol, FP32))
     message = str(e.value)
@@ -117,26 +121,27 @@ def test_an_undersized_decode_pool_is_refused_or_clamped(smol: ModelConfig) -> N
                  "--max-context 64", "--clamp-context"):
         assert part in message, part
     assert "prefill" not in message
-    clamped = ServeConfig(decode_num_pages=4, clamp_context=True)
+    clamped = serve_config(decode_num_pages=4, clamp_context=True)
     context, verdicts = resolve_context(clamped, smol, plan_pools(clamped, smol, FP32))
     assert context == 64
     assert by_role(verdicts) == {"prefill": (16_384, 64, 256.0, "ok"), "decode": (64, 64, 1.0, "warn")}
 
 
 def test_both_pools_undersized_names_both_and_clamps_to_the_smaller() -> None:
-    config = ServeConfig(page_size_tokens=4, prefill_num_pages=10, decode_num_pages=6)  # 40 and 24 of 64
+    pools = dict(page_size_tokens=4, prefill_num_pages=10, decode_num_pages=6)  # 40 and 24 of 64
+    config = serve_config(**pools)
     plans = plan_pools(config, TINY, FP32)
     with pytest.raises(UndersizedPoolError, match=r"prefill KV pool holds 40 tokens.*decode KV pool holds 24"):
         resolve_context(config, TINY, plans)
-    context, verdicts = resolve_context(dataclasses.replace(config, clamp_context=True), TINY, plans)
+    context, verdicts = resolve_context(serve_config(**pools, clamp_context=True), TINY, plans)
     assert context == 24
     assert by_role(verdicts) == {"prefill": (40, 24, 40 / 24, "warn"), "decode": (24, 24, 1.0, "warn")}
 
 
 def test_colocated_is_one_pool_sized_like_decode(smol: ModelConfig) -> None:
-    plans = plan_pools(ServeConfig(disaggregation="off", prefill_num_pages=8), smol, FP32)
+    plans = plan_pools(serve_config(disaggregation="off", prefill_num_pages=8), smol, FP32)
     assert [(p.role, p.num_pages) for p in plans] == [("colocated", 2048)]  # 4 contexts; prefill flags ignored
-    config = ServeConfig(disaggregation="off", decode_num_pages=4)
+    config = serve_config(disaggregation="off", decode_num_pages=4)
     plans = plan_pools(config, smol, FP32)
     assert [(p.role, p.num_pages) for p in plans] == [("colocated", 4)]
     with pytest.raises(UndersizedPoolError) as e:
@@ -146,12 +151,12 @@ def test_colocated_is_one_pool_sized_like_decode(smol: ModelConfig) -> None:
 
 
 def test_kv_memory_sets_the_page_count(smol: ModelConfig) -> None:
-    config = ServeConfig(prefill_kv_memory="1GiB", decode_kv_memory="1GiB")
+    config = serve_config(prefill_kv_memory="1GiB", decode_kv_memory="1GiB")
     # 2**30 // (46,080 B x 16 tokens) = 1456; 2**30 // (23,040 B x 16) = 2912.
     assert [p.num_pages for p in plan_pools(config, smol, FP32)] == [1456, 1456]
     assert [p.num_pages for p in plan_pools(config, smol, BF16)] == [2912, 2912]
-    assert plan_pools(ServeConfig(page_size_tokens=4, prefill_kv_memory="1GiB"), TINY, FP32)[0].num_pages == 2**20
-    tiny = ServeConfig(prefill_kv_memory="1KiB")  # less than one page: one page, then refused
+    assert plan_pools(serve_config(page_size_tokens=4, prefill_kv_memory="1GiB"), TINY, FP32)[0].num_pages == 2**20
+    tiny = serve_config(prefill_kv_memory="1KiB")  # less than one page: one page, then refused
     plans = plan_pools(tiny, smol, FP32)
     assert plans[0].num_pages == 1
     with pytest.raises(UndersizedPoolError, match="16 tokens"):
@@ -159,7 +164,7 @@ def test_kv_memory_sets_the_page_count(smol: ModelConfig) -> None:
 
 
 def test_explicit_pages_win_over_memory(smol: ModelConfig) -> None:
-    config = ServeConfig(prefill_num_pages=600, prefill_kv_memory="1GiB")
+    config = serve_config(prefill_num_pages=600, prefill_kv_memory="1GiB")
     assert plan_pools(config, smol, FP32)[0].num_pages == 600
 
 
@@ -173,15 +178,15 @@ def test_plans_and_verdicts_reject_inconsistent_numbers() -> None:
 
 
 def test_clamp_context_setting() -> None:
-    assert ServeConfig().clamp_context is False
-    assert load_config({"clamp_context": True}, {}, None).clamp_context is True
-    assert load_config({"clamp_context": None}, {}, None).clamp_context is False
+    assert ServeConfig().pools.clamp_context is False
+    assert load_config({"clamp_context": True}, {}, None).pools.clamp_context is True
+    assert load_config({"clamp_context": None}, {}, None).pools.clamp_context is False
 
 
 def test_clamp_context_from_the_config_file(tmp_path: Path) -> None:
     f = tmp_path / "kvfence.toml"
-    f.write_text("clamp-context = true\n")
-    assert load_config({"clamp_context": None}, {}, f).clamp_context is True
+    f.write_text("[pools]\nclamp-context = true\n")
+    assert load_config({"clamp_context": None}, {}, f).pools.clamp_context is True
 
 
 def parse_table(text: str) -> dict[str, list[str]]:
@@ -202,7 +207,7 @@ def test_render_table() -> None:
 
 def test_build_workers_allocates_the_planned_pools(smollm2: Checkpoint) -> None:
     base = dict(max_context=256, prefill_device="cpu", decode_device="cpu", dtype="float32")
-    workers = build_workers(ServeConfig(**base, prefill_num_pages=24), smollm2)
+    workers = build_workers(serve_config(**base, prefill_num_pages=24), smollm2)
     assert workers.decode is not None
     assert (workers.prefill.role, workers.prefill.pool.num_pages) == ("prefill", 24)
     assert (workers.decode.role, workers.decode.pool.num_pages) == ("decode", 64)  # 4 x 256 / 16
@@ -210,14 +215,14 @@ def test_build_workers_allocates_the_planned_pools(smollm2: Checkpoint) -> None:
     assert list(workers.compute) == [torch.device("cpu")]
     assert workers.compute_of(workers.prefill) is workers.compute_of(workers.decode)
     workers.close()
-    colocated = build_workers(ServeConfig(**base, disaggregation="off", decode_kv_memory="12MiB"), smollm2)
+    colocated = build_workers(serve_config(**base, disaggregation="off", decode_kv_memory="12MiB"), smollm2)
     assert colocated.decode is None
     assert (colocated.prefill.role, colocated.prefill.pool.num_pages) == ("colocated", 12 * 2**20 // (46_080 * 16))
     assert workers.max_context_tokens == colocated.max_context_tokens == 256
     colocated.close()
     with pytest.raises(UndersizedPoolError, match="holds 16 tokens"):  # refused before allocating
-        build_workers(ServeConfig(**base, disaggregation="off", decode_kv_memory="1MiB"), smollm2)
-    clamped = build_workers(ServeConfig(**base, disaggregation="off", decode_kv_memory="1MiB", clamp_context=True),
+        build_workers(serve_config(**base, disaggregation="off", decode_kv_memory="1MiB"), smollm2)
+    clamped = build_workers(serve_config(**base, disaggregation="off", decode_kv_memory="1MiB", clamp_context=True),
                             smollm2)
     assert clamped.max_context_tokens == 16
     clamped.close()
