@@ -25,7 +25,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import confine_to_one_intra_op_thread
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.engine.worker import WorkerChannel
+from kvfence.engine.worker import LocalWorkerChannel
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.metrics import SchedulerMetrics
@@ -111,9 +111,11 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
         scheduler_config = config.scheduler.bind(
             page_size_tokens=config.pools.page_size_tokens, max_context_tokens=context,
             disaggregated=workers.decode is not None, prefill_device_type=workers.prefill.device.type)
+        prefill_channel = LocalWorkerChannel(workers.prefill, workers.compute_of(workers.prefill))
+        decode_channel = None if workers.decode is None else \
+            LocalWorkerChannel(workers.decode, workers.compute_of(workers.decode))
         scheduler = Scheduler(
-            scheduler_config, checkpoint.tokenizer, WorkerChannel(workers.prefill, workers.compute_of(workers.prefill)),
-            WorkerChannel(workers.decode, workers.compute_of(workers.decode)) if workers.decode is not None else None,
+            scheduler_config, checkpoint.tokenizer, prefill_channel, decode_channel,
             prefill_pages=prefill_pool.num_pages, decode_pages=decode_pool.num_pages, link=link, metrics=metrics)
         await scheduler.run(tg)
         canary = ReadinessCanary(scheduler, checkpoint.tokenizer, workers.prefill.runner.model,

@@ -1,9 +1,9 @@
 """A worker: one device, one model replica, one KV pool, driven by scheduler messages.
 
 Compute runs on the device's compute thread (engine/compute.py), never on the event loop, one
-step at a time. The scheduler talks to a worker only through `WorkerChannel.call`, which
-round-trips every message through msgspec, so the worker could live in another process without
-changing the scheduler.
+step at a time. The scheduler talks to a worker only through a `WorkerChannel` (engine/protocol.py;
+`LocalWorkerChannel` here), which round-trips every message through msgspec, so the worker could
+live in another process without changing the scheduler.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from kvfence.engine.kv_pool import SCRUB_MODES, KVPool
 from kvfence.engine.kv_sanitizer import SlotViolation
 from kvfence.engine.owner_check import OwnerViolation
 from kvfence.engine.runner import ModelRunner, SeqWork
-from kvfence.scheduler.ids import mint_id
-from kvfence.scheduler.messages import (
+from kvfence.engine.ids import mint_id
+from kvfence.engine.protocol import (
     OwnerMismatch, RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, id_from_hex, id_hex,
 )
 
@@ -116,15 +116,12 @@ class Worker:
         return OwnerMismatch(v.work_index, v.page, id_hex(v.writer), "sanitizer", f"token {v.position} (slot {v.slot})")
 
 
-class WorkerChannel:
-    """The scheduler's end of the connection to one worker (in-process for now).
+class LocalWorkerChannel:
+    """A `WorkerChannel` (engine/protocol.py) to a worker in this process: every message is
+    encoded and decoded as it would be on a wire, and run on the device's compute thread.
 
-    `compute`: the thread of the worker's device; it runs one message at a time, so a worker (and
-    every worker sharing the device) runs one step at a time.
-
-    Contract: a worker runs its messages in the order `call` was entered. The scheduler relies on
-    it (a reply to one message means every earlier one was applied: LeaseTable.grant_applied); a
-    channel to a worker in another process must keep one ordered stream per worker."""
+    `compute`: the thread of the worker's device; it runs one message at a time, in the order
+    `call` was entered, so a worker (and every worker sharing the device) runs one step at a time."""
 
     def __init__(self, worker: Worker, compute: ComputeThread) -> None:
         self.worker = worker

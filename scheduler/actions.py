@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable
 
-from kvfence.scheduler.messages import RunStep
+from kvfence.engine.protocol import RunStep
 from kvfence.scheduler.output import OutputDelta
 
 

@@ -37,9 +37,9 @@ from kvfence.scheduler.actions import Action, Emit, MoveResult, SendStep, StartT
 from kvfence.scheduler.admission import size_refusal
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, overloaded
-from kvfence.scheduler.ids import mint_id
+from kvfence.engine.ids import mint_id
 from kvfence.scheduler.lease_table import LeaseTable
-from kvfence.scheduler.messages import RunStep, SeqStep, StepDone, StepFailed, WorkerReply, id_hex
+from kvfence.engine.protocol import RunStep, SeqStep, StepDone, StepFailed, WorkerReply, id_hex
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
 from kvfence.scheduler.policy import decode_steps, prefill_chunks

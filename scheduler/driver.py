@@ -21,12 +21,11 @@ from anyio.abc import TaskGroup
 
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.engine.worker import WorkerChannel
 from kvfence.scheduler.actions import Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.messages import StepFailed, WorkerReply
+from kvfence.engine.protocol import StepFailed, WorkerChannel, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.page_ledger import PageLedger
 from kvfence.scheduler.request import Request, State

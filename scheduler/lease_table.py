@@ -17,7 +17,7 @@ start of its next message, before any grant in it. Plain Python: no I/O, no cloc
 
 from __future__ import annotations
 
-from kvfence.scheduler.messages import Landing, PageGrant, id_hex
+from kvfence.engine.protocol import Landing, PageGrant, id_hex
 from kvfence.scheduler.page_ledger import PageLedger
 
 

@@ -5,7 +5,7 @@ No I/O and no awaiting here; the scheduler dispatches what these return.
 
 from __future__ import annotations
 
-from kvfence.scheduler.messages import SamplingSpec, SeqStep, id_hex
+from kvfence.engine.protocol import SamplingSpec, SeqStep, id_hex
 from kvfence.scheduler.request import Request
 
 

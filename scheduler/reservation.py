@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvfence.scheduler.admission import Refusal, quarantine_refusal
 from kvfence.scheduler.errors import RequestError
 from kvfence.scheduler.lease_table import LeaseTable
-from kvfence.scheduler.messages import id_hex
+from kvfence.engine.protocol import id_hex
 from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.worker_binding import WorkerBinding
 

@@ -14,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kvfence.scheduler.lease_table import LeaseTable
-from kvfence.scheduler.messages import SeqStep, WorkerReply
+from kvfence.engine.protocol import SeqStep, WorkerReply
 
 if TYPE_CHECKING:
     from kvfence.scheduler.request import Request

@@ -45,8 +45,8 @@ import msgspec
 import torch
 
 from kvfence.app.config import PoolsConfig
-from kvfence.scheduler.ids import mint_id
-from kvfence.scheduler.messages import id_hex
+from kvfence.engine.ids import mint_id
+from kvfence.engine.protocol import id_hex
 from kvfence.transports.base import PairingRecord, Peer, TransferManifest, Transport, TransportUnavailable
 from kvfence.transports.core.digest import page_digest
 from kvfence.transports.core.secret import DeploymentSecret

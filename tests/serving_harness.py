@@ -15,7 +15,7 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
-from kvfence.engine.worker import Worker, WorkerChannel
+from kvfence.engine.worker import Worker, LocalWorkerChannel
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.request import State
@@ -34,8 +34,8 @@ def compute_thread() -> ComputeThread:
     return _compute
 
 
-def channel(worker: Worker) -> WorkerChannel:
-    return WorkerChannel(worker, compute_thread())
+def channel(worker: Worker) -> LocalWorkerChannel:
+    return LocalWorkerChannel(worker, compute_thread())
 
 
 def make_worker(checkpoint: Checkpoint, role: str, num_pages: int, page_size: int) -> Worker:

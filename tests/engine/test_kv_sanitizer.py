@@ -16,7 +16,7 @@ from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker
-from kvfence.scheduler.messages import Landing, PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, id_hex
+from kvfence.engine.protocol import Landing, PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, id_hex
 
 A, B = (7 << 100) | 1, (9 << 90) | 5  # two 128-bit leases
 GREEDY = SamplingParams(temperature=0)

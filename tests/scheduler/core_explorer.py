@@ -37,7 +37,7 @@ from kvfence.scheduler.actions import Emit, MoveResult, SendStep, StartTransfer,
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 from kvfence.scheduler.errors import AdmissionRejected
-from kvfence.scheduler.messages import RunStep, StepDone, StepFailed, WorkerReply, id_from_hex, id_hex
+from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerReply, id_from_hex, id_hex
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.worker_binding import WorkerBinding
 from kvfence.transports.base import TransferManifest

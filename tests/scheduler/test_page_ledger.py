@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvfence.scheduler.ids import mint_id
+from kvfence.engine.ids import mint_id
 from kvfence.scheduler.page_ledger import LedgerError, PageLedger
 
 

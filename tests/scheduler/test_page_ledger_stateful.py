@@ -10,7 +10,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvfence.scheduler.ids import mint_id
+from kvfence.engine.ids import mint_id
 from kvfence.scheduler.page_ledger import PageLedger
 
 NUM_PAGES = 24

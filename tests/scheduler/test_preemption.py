@@ -27,7 +27,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.ids import mint_id
+from kvfence.engine.ids import mint_id
 from kvfence.scheduler.request import State
 
 PAGE = 4

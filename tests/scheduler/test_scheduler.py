@@ -25,8 +25,8 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.ids import mint_id
-from kvfence.scheduler.messages import id_hex
+from kvfence.engine.ids import mint_id
+from kvfence.engine.protocol import id_hex
 
 PAGE = 4
 CONTEXT = 96
@@ -276,7 +276,7 @@ async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed
     if not s.config.disaggregated:
         pytest.skip("colocated requests have no transfer")
     from kvfence.scheduler import lease_table
-    from kvfence.scheduler.messages import Landing
+    from kvfence.engine.protocol import Landing
 
     short = [True]
 

@@ -24,7 +24,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvfence.scheduler.ids import mint_id
+from kvfence.engine.ids import mint_id
 from kvfence.scheduler.page_ledger import PageLedger
 from kvfence.transports.base import TransferManifest
 from kvfence.transports.core.receiver_state import Admission, ReceiverState

@@ -13,7 +13,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.messages import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, StepFailed, id_hex
+from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, StepFailed, id_hex
 
 pytestmark = pytest.mark.anyio
 LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)

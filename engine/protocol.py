@@ -1,10 +1,14 @@
-"""Every message between the scheduler and a worker, as msgspec structs (one tagged union).
+"""The worker protocol: every message between the scheduler and a worker, as msgspec structs (one
+tagged union each way), and the channel a scheduler calls a worker through.
 
-Ids that name leases and transfers are 128-bit and travel as 32 hex digits. New fields get
-defaults so old and new peers interoperate.
+Both sides import this module; the engine imports nothing of the scheduler. Ids that name leases
+and transfers are 128-bit and travel as 32 hex digits. New fields get defaults so old and new
+peers interoperate.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import msgspec
 
@@ -99,3 +103,15 @@ class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
 
 WorkerRequest = RunStep
 WorkerReply = StepDone | StepFailed
+
+
+class WorkerChannel(Protocol):
+    """The scheduler's end of the connection to one worker (engine/worker.py has the in-process
+    one). Contract: the worker runs messages in the order `call` was entered, one at a time, and a
+    reply to one message means every earlier one was applied (the scheduler relies on it:
+    LeaseTable.grant_applied); a channel to a worker elsewhere must keep one ordered stream."""
+
+    role: str
+
+    async def call(self, request: WorkerRequest) -> WorkerReply: ...
+
