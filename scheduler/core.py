@@ -45,7 +45,7 @@ from kvfence.scheduler.output import OutputDelta, TextOutput
 from kvfence.scheduler.policy import decode_steps, prefill_chunks
 from kvfence.scheduler.preemption import Preemption
 from kvfence.scheduler.reservation import Reservation
-from kvfence.scheduler.request import Request, State
+from kvfence.scheduler.request import Request, State, client_closed
 from kvfence.scheduler.worker_binding import Step, WorkerBinding
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class SchedulerCore(Reservation, Preemption):
         req = self._live.get(request_id)
         if req is None or req.pending_end is not None:
             return
-        req.pending_end = error or RequestError(499, "client_closed", "the client closed the request")
+        req.pending_end = error or client_closed()
         self._schedule(now)
 
     def step_replied(self, worker: str, reply: WorkerReply, now: float) -> None:
@@ -242,11 +242,8 @@ class SchedulerCore(Reservation, Preemption):
     def _schedule(self, now: float) -> None:
         """End what may end, admit what fits, start transfers whose pages are tagged, and give
         every idle worker its next step."""
-        for req in [r for group in self._running.values() for r in group.values()]:
+        for req in list(self._live.values()):
             if req.pending_end is not None and not req.stepping and not req.transfer:
-                self._end(req, req.pending_end, now)
-        for req in list(self.queue):
-            if req.pending_end is not None:
                 self._end(req, req.pending_end, now)
         self._reserve_queued(now)
         for w in (self.decode, self.prefill) if self.decode is not self.prefill else (self.decode,):

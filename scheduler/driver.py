@@ -96,7 +96,10 @@ class Scheduler:
 
     def ledger(self, role: str) -> PageLedger:
         """The page ledger of the pool serving `role` ("prefill" or "decode"; one pool when colocated)."""
-        return (self.core.prefill if role == "prefill" else self.core.decode).ledger
+        return self._bound(role).ledger
+
+    def _bound(self, role: str) -> WorkerBinding:
+        return self.core.prefill if role == "prefill" else self.core.decode
 
     def requests_in(self, state: State) -> list[Request]:
         return self.core.requests_in(state)
@@ -104,8 +107,7 @@ class Scheduler:
     def confirm_quiet(self, role: str, lease: int) -> list[int]:
         """End the quarantine of `lease` in the pool serving `role`: no write can reach its pages
         any more. They come back through the release path; returns them."""
-        worker = self.core.prefill if role == "prefill" else self.core.decode
-        pages = self.core.lease_quiet(worker.name, lease, time.monotonic())
+        pages = self.core.lease_quiet(self._bound(role).name, lease, time.monotonic())
         self._carry_out()
         return pages
 

@@ -49,8 +49,12 @@ class Reservation:
         """Pages an attempt that prefills `num_tokens` reserves at admission, per pool: the decode
         side also gets the page of the first token it generates (it grows from there); a pool
         bound to both roles reserves the larger."""
-        needs = {self.prefill: self.config.pages_for(num_tokens)}
-        needs[self.decode] = max(needs.get(self.decode, 0), self.config.pages_for(num_tokens + 1))
+        return self._per_pool(self.config.pages_for(num_tokens), self.config.pages_for(num_tokens + 1))
+
+    def _per_pool(self, prefill_pages: int, decode_pages: int) -> dict[WorkerBinding, int]:
+        """Pages needed per pool; a pool bound to both roles needs the larger."""
+        needs = {self.prefill: prefill_pages}
+        needs[self.decode] = max(needs.get(self.decode, 0), decode_pages)
         return needs
 
     def _can_reserve(self, num_tokens: int, headroom_pages: int = 0) -> bool:
@@ -59,8 +63,7 @@ class Reservation:
 
     def _quarantine_refusal(self, prompt_tokens: int, prefill_tokens: int, max_tokens: int, now: float) -> Refusal | None:
         """A refusal (and a log line) when the request fits only with quarantined pages."""
-        needs = {self.prefill: self.config.pages_for(prefill_tokens)}
-        needs[self.decode] = max(needs.get(self.decode, 0), self.config.pages_for(prompt_tokens + max_tokens))
+        needs = self._per_pool(self.config.pages_for(prefill_tokens), self.config.pages_for(prompt_tokens + max_tokens))
         refusal = quarantine_refusal([(w.name, w.ledger, n) for w, n in needs.items()], now)
         if refusal is not None:
             log.warning("request refused with 503: %s", refusal.error.message)
