@@ -48,6 +48,9 @@ def _build_parser() -> argparse.ArgumentParser:
         add_flags(p, ServeConfig)
 
     sub.add_parser("config-reference", help="print every setting (TOML key, flag, variable, default) as markdown")
+    key = sub.add_parser("api-key", help="print a fresh API key for a tenant and the --api-keys entry that holds "
+                                         "its digest (the key itself is shown once, never stored)")
+    key.add_argument("tenant", help="the tenant's name")
 
     fetch = sub.add_parser("fetch", help="fetch a known model into the cache and print its path")
     fetch.add_argument("model", nargs="?", default=None)
@@ -104,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import anyio
 
+    from kvfence.app.api_keys import ApiKeys
     from kvfence.app.config import load_config
     from kvfence.app.server import serve
     from kvfence.app.sizing import plan_pools, resolve_context
@@ -121,6 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.transport.secret_file:  # an unreadable or short secret fails before any weight is read
         DeploymentSecret.from_file(config.transport.secret_file)
+    ApiKeys.load(config.server.api_keys)  # so does a bad keys file
     path = resolve_model(config.model, kvfence_home())
     # Refuse an undersized pool before reading any weights (build_workers checks again).
     model = _read_model_config(path)
@@ -185,6 +190,17 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_key(args: argparse.Namespace) -> int:
+    from kvfence.app.api_keys import key_digest, new_key
+    from kvfence.scheduler.tenants import Tenant
+
+    Tenant(args.tenant)  # a bad name fails here, not when the server reads the file
+    key = new_key()
+    print(f"# API key for tenant {args.tenant} (give it to the tenant; it is not stored anywhere):\n# {key}\n"
+          f"[tenants.{args.tenant}]\nkey_sha256 = [\"{key_digest(key)}\"]")
+    return 0
+
+
 def _config_reference() -> int:
     from kvfence.app.config import config_reference
 
@@ -206,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check(args)
         if args.command == "config-reference":
             return _config_reference()
+        if args.command == "api-key":
+            return _api_key(args)
         return _fetch(args)
     except (ValueError, FileNotFoundError, CheckpointError, FetchError) as e:
         print(f"kvfence: error: {e}", file=sys.stderr)

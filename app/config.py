@@ -60,6 +60,9 @@ class ServerConfig(Settings):
     stall_timeout_s: float = setting(30.0, "seconds a streaming client may read nothing before its request is "
                                            "aborted", above=0)
     shutdown_timeout_s: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM", at_least=0)
+    api_keys: str | None = setting(None, "TOML file of tenants: their API keys (as SHA-256 digests) and limits, "
+                                         "and the admin key for /metrics (app/api_keys.py); without it every "
+                                         "request is the anonymous tenant")
     log_level: str = setting("info", "log level", choices=LOG_LEVELS)
 
 

@@ -7,6 +7,7 @@ from typing import Protocol
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.tenants import Tenant
 
 
 class EngineClient(Protocol):
@@ -18,8 +19,9 @@ class EngineClient(Protocol):
         """The longest prompt + max_tokens any request may have (advertised in /v1/models)."""
         ...
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestHandle:
-        """Admit a request or raise `AdmissionRejected` (400 / 503, nothing reserved).
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant) -> RequestHandle:
+        """Admit a request of the authenticated `tenant` or raise `AdmissionRejected` (400 / 429 /
+        503, nothing reserved).
 
         `sampling.max_tokens` is always set by the caller (the API fills the default)."""
         ...

@@ -15,6 +15,9 @@ Contracts:
   whatever it tokenizes to is refused without being tokenized (`app/prompt_tokens.py`).
 - No exception text of a worker or a transport reaches a client (`http_errors.for_client`); the
   log has it.
+- With API keys on (app/api_keys.py), every /v1 route answers 401 `invalid_api_key` to a missing
+  or wrong key before it reads the body, and /metrics wants the admin key; the tenant a request
+  runs as is the one its key authenticates, never anything in its body.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvfence.app import openai_schemas as s
+from kvfence.app.api_keys import ApiKeys
 from kvfence.app.client_id import EchoRequestId, client_request_id
 from kvfence.app.engine_client import EngineClient
 from kvfence.app.http_errors import (context_too_long, decode_body, error_envelope, error_response, for_client,
@@ -215,11 +219,12 @@ class _Api:
     """The route handlers of one app; holds the engine, one JSON encoder and the decoders."""
 
     def __init__(self, engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None,
-                 max_body_bytes: int, stall_timeout_s: float) -> None:
+                 max_body_bytes: int, stall_timeout_s: float, api_keys: ApiKeys) -> None:
         if max_body_bytes <= 0 or stall_timeout_s <= 0:
             raise ValueError(f"max_body_bytes and stall_timeout_s must be > 0, got {max_body_bytes} and "
                              f"{stall_timeout_s}")
         self.engine = engine
+        self.keys = api_keys
         self.metrics_text = metrics_text
         self.max_body_bytes, self.stall_timeout_s = max_body_bytes, stall_timeout_s
         self.prompts = PromptEncoder(engine.tokenizer)
@@ -240,15 +245,18 @@ class _Api:
         return await self._generate(request, chat=False)
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
+        tenant = self.keys.tenant(request.headers.get("authorization"))
+        if tenant is None:
+            return self._unauthorized("a valid API key")
         try:
             body = await read_body(request, self.max_body_bytes)
             if len(body) <= INLINE_BODY_BYTES:
                 prep = self._prepare(body, chat)
             else:  # decoding, rendering and tokenizing a long input would stall every other stream
                 prep = await anyio.to_thread.run_sync(self._prepare, body, chat, limiter=self.long_inputs)
-            handle = self.engine.submit(prep.prompt_ids, prep.sampling)
-            log.info("request %s admitted: %d prompt tokens, client request id %r, user %r", handle.request_id,
-                     len(prep.prompt_ids), client_request_id(request), prep.user)
+            handle = self.engine.submit(prep.prompt_ids, prep.sampling, tenant)
+            log.info("request %s admitted: tenant %s, %d prompt tokens, client request id %r, user %r",
+                     handle.request_id, tenant.name, len(prep.prompt_ids), client_request_id(request), prep.user)
         except RefusedBody as refused:
             return BodyTooLarge(refused)
         except ClientDisconnect:
@@ -319,7 +327,16 @@ class _Api:
         return _Prepared(prompt_ids=ids, sampling=sampling, chat=chat, stream=bool(req.stream),
                          include_usage=include_usage, model=self.engine.model_name, user=req.user)
 
+    def _unauthorized(self, needs: str) -> Response:
+        err = RequestError(401, "invalid_api_key", f"this route needs {needs}: send it as 'Authorization: Bearer "
+                           "KEY'; the key was missing or is not known")
+        response = error_response(err, self.encoder)
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
     async def models(self, request: Request) -> Response:
+        if self.keys.tenant(request.headers.get("authorization")) is None:
+            return self._unauthorized("a valid API key")
         card = s.ModelCard(id=self.engine.model_name, created=self.created,
                            max_model_len=self.engine.max_context_tokens)
         return self.json(s.ModelList(data=[card]))
@@ -333,6 +350,8 @@ class _Api:
         return self.json({"status": "not_ready"}, 503, {"Retry-After": str(_NOT_READY_RETRY_AFTER_S)})
 
     async def metrics(self, request: Request) -> Response:
+        if not self.keys.is_admin(request.headers.get("authorization")):
+            return self._unauthorized("the admin key")
         if self.metrics_text is None:
             return error_response(RequestError(404, "not_found", "metrics are not enabled on this server"),
                                   self.encoder)
@@ -348,12 +367,13 @@ def _check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
 
 def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-              ) -> Starlette:
+              api_keys: ApiKeys | None = None) -> Starlette:
     """The OpenAI-compatible app: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
     GET /health, GET /ready (503 + Retry-After while not ready), GET /metrics (`metrics_text()`
     -> (body, content type); 404 when None). `max_body_bytes`: longest request body (413 past it);
-    `stall_timeout_s`: how long a response may be unable to send before its request is aborted."""
-    api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s)
+    `stall_timeout_s`: how long a response may be unable to send before its request is aborted;
+    `api_keys`: who may call it (None: no keys, every request the anonymous tenant)."""
+    api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s, api_keys or ApiKeys())
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),

@@ -18,8 +18,7 @@ from typing import Any
 from anyio.abc import TaskGroup
 
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.ids import mint_id
-from kvfence.engine.protocol import id_hex
+from kvfence.engine.ids import id_hex, mint_id
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRecord, PairingRefused, Transport
 from kvfence.transports.core.secret import DeploymentSecret

@@ -17,6 +17,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from kvfence.app.config import ServeConfig
+from kvfence.app.api_keys import ApiKeys
 from kvfence.app.http_api import build_app
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.app.readiness import ReadinessCanary
@@ -29,6 +30,7 @@ from kvfence.engine.worker import LocalWorkerChannel
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.metrics import SchedulerMetrics
+from kvfence.scheduler.tenants import Tenant
 from kvfence.transports.base import PairingRefused, Transport
 from kvfence.transports.core.secret import DeploymentSecret
 
@@ -48,8 +50,8 @@ class ServingEngine:
     def max_context_tokens(self) -> int:
         return self.scheduler.max_context_tokens
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestHandle:
-        return self.scheduler.submit(prompt_token_ids, sampling)
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant) -> RequestHandle:
+        return self.scheduler.submit(prompt_token_ids, sampling, tenant)
 
     def is_ready(self) -> bool:
         return self.canary.passed and not self.scheduler.draining
@@ -128,7 +130,8 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
             return metrics.render()
 
         http = config.server
-        app = build_app(engine, metrics_text, max_body_bytes=http.max_body_bytes, stall_timeout_s=http.stall_timeout_s)
+        app = build_app(engine, metrics_text, max_body_bytes=http.max_body_bytes, stall_timeout_s=http.stall_timeout_s,
+                        api_keys=ApiKeys.load(http.api_keys))
         hyper = HypercornConfig()
         hyper.bind = [f"{http.host}:{http.port}"]
         hyper.accesslog = None

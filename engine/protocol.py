@@ -1,8 +1,9 @@
 """The worker protocol: every message between the scheduler and a worker, as msgspec structs (one
 tagged union each way), and the channel a scheduler calls a worker through.
 
-Both sides import this module; the engine imports nothing of the scheduler. Ids that name leases
-and transfers are 128-bit and travel as 32 hex digits. New fields get defaults so old and new
+Both sides import this module; the engine imports nothing of the scheduler. Lease ids are 128-bit
+ints on both sides; the wire codec (`encode`, `decode_request`, `decode_reply`: JSON, which carries
+ints of any size) is the one place they are serialized. New fields get defaults so old and new
 peers interoperate.
 """
 
@@ -13,14 +14,6 @@ from typing import Protocol
 import msgspec
 
 from kvfence.engine.sampling import SamplingParams
-
-
-def id_hex(value: int) -> str:
-    return f"{value:032x}"
-
-
-def id_from_hex(text: str) -> int:
-    return int(text, 16)
 
 
 class SamplingSpec(msgspec.Struct, frozen=True):
@@ -40,36 +33,41 @@ class SamplingSpec(msgspec.Struct, frozen=True):
 
 
 class SeqStep(msgspec.Struct, frozen=True):
-    lease: str
+    """One sequence's share of a step. The worker keeps each lease's page table (the pages its
+    tokens live in, in order); a step carries only the pages appended to it since the lease's last
+    step (`new_pages`), and the worker checks every page the seq reads against the lease's tag."""
+
+    lease: int
     token_ids: list[int]  # a prefill chunk, or the one token to decode
     context_tokens: int  # tokens of this sequence already in the worker's pool
-    page_table: list[int]
+    new_pages: list[int]  # appended to the lease's page table before the step runs
     sampling: SamplingSpec | None  # None: an intermediate prefill chunk
     output_index: int = 0
 
 
 class PageGrant(msgspec.Struct, frozen=True):
-    lease: str
+    lease: int
     pages: list[int]
 
 
 class Landing(msgspec.Struct, frozen=True):
     """A verified transfer wrote token positions [0, num_tokens) of `lease` through `pages`."""
 
-    lease: str
+    lease: int
     pages: list[int]
     num_tokens: int
 
 
 class RunStep(msgspec.Struct, frozen=True, tag="run_step"):
-    """Untag `released`, tag `grants` with their leases, note `landed` transfers, then run one
-    forward over `seqs`."""
+    """Untag `released`, tag `grants` with their leases, note `landed` transfers, forget the page
+    tables of `ended` leases, extend the tables of `seqs`, then run one forward over `seqs`."""
 
     step_id: int
     seqs: list[SeqStep]
     grants: list[PageGrant] = []
     released: list[int] = []
     landed: list[Landing] = []
+    ended: list[int] = []  # leases that will never step again
     # The worker incarnation this step was built for; a worker that is another incarnation refuses
     # the whole message before applying any of it. "" (not known yet): no check.
     incarnation: str = ""
@@ -82,7 +80,7 @@ class OwnerMismatch(msgspec.Struct, frozen=True):
 
     seq_index: int
     page: int
-    owner: str  # the lease the page (owner_tag) or slot (sanitizer) belongs to; all zeros = nobody
+    owner: int  # the lease the page (owner_tag) or slot (sanitizer) belongs to; 0 = nobody
     check: str = "owner_tag"
     detail: str = ""
 
@@ -103,6 +101,23 @@ class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
 
 WorkerRequest = RunStep
 WorkerReply = StepDone | StepFailed
+
+_encoder = msgspec.json.Encoder()
+_request_decoder = msgspec.json.Decoder(WorkerRequest)
+_reply_decoder = msgspec.json.Decoder(WorkerReply)
+
+
+def encode(message: WorkerRequest | WorkerReply) -> bytes:
+    """A message in its wire form."""
+    return _encoder.encode(message)
+
+
+def decode_request(payload: bytes) -> WorkerRequest:
+    return _request_decoder.decode(payload)
+
+
+def decode_reply(payload: bytes) -> WorkerReply:
+    return _reply_decoder.decode(payload)
 
 
 class WorkerChannel(Protocol):

@@ -2,25 +2,25 @@
 
 Compute runs on the device's compute thread (engine/compute.py), never on the event loop, one
 step at a time. The scheduler talks to a worker only through a `WorkerChannel` (engine/protocol.py;
-`LocalWorkerChannel` here), which round-trips every message through msgspec, so the worker could
-live in another process without changing the scheduler.
+`LocalWorkerChannel` here), which round-trips every message through the protocol's wire codec, so
+the worker could live in another process without changing the scheduler.
 """
 
 from __future__ import annotations
 
 import logging
 
-import msgspec
 import torch
 
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import SCRUB_MODES, KVPool
 from kvfence.engine.kv_sanitizer import SlotViolation
 from kvfence.engine.owner_check import OwnerViolation
+from kvfence.engine.page_tables import LeasePageTables
 from kvfence.engine.runner import ModelRunner, SeqWork
-from kvfence.engine.ids import mint_id
+from kvfence.engine.ids import id_hex, mint_id
 from kvfence.engine.protocol import (
-    OwnerMismatch, RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, id_from_hex, id_hex,
+    OwnerMismatch, RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, decode_reply, decode_request, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -37,14 +37,16 @@ class Worker:
         self.scrub = scrub
         self.device = runner.pool.device
         self.sanitizer = runner.sanitizer
+        self.page_tables = LeasePageTables()
         self.incarnation = id_hex(mint_id())
 
     def restart(self) -> None:
         """Come back as a new incarnation with a blank pool, as a restarted worker process would:
-        every page untagged and poisoned, the sanitizer's ledger empty. Steps built for the old
+        every page untagged and poisoned, no page table, the sanitizer's ledger empty. Steps built for the old
         incarnation are refused from now on (`execute`), so nothing is read across incarnations."""
         every = list(range(self.pool.num_pages))
         self.pool.clear(every, "poison")
+        self.page_tables.clear()
         if self.sanitizer is not None:
             self.sanitizer.forget(every)
         old, self.incarnation = self.incarnation, id_hex(mint_id())
@@ -79,17 +81,18 @@ class Worker:
         if cmd.released:
             self.pool.clear(cmd.released, self.scrub)
         for grant in cmd.grants:
-            self.pool.assign(grant.pages, id_from_hex(grant.lease))
+            self.pool.assign(grant.pages, grant.lease)
+        self.page_tables.forget(cmd.ended)
         if self.sanitizer is not None:
             if cmd.released:
                 self.sanitizer.forget(cmd.released)
             for landing in cmd.landed:
-                self.sanitizer.record_write(id_from_hex(landing.lease), landing.pages, 0, landing.num_tokens)
+                self.sanitizer.record_write(landing.lease, landing.pages, 0, landing.num_tokens)
 
     def _run_step(self, cmd: RunStep, return_logits: bool) -> tuple[WorkerReply, torch.Tensor | None]:
-        """Apply the message's tag changes, then run its forward. Contract with the scheduler: a
-        reply from the incarnation the message was built for means its tag changes were applied,
-        also when the forward failed; a worker that cannot apply them comes back as a new
+        """Apply the message's tag and page-table changes, then run its forward. Contract with the
+        scheduler: a reply from the incarnation the message was built for means those changes were
+        applied, also when the forward failed; a worker that cannot apply them comes back as a new
         incarnation (every page poisoned and untagged), so the scheduler fails what was bound to it."""
         try:
             self._apply_tags(cmd)
@@ -99,7 +102,7 @@ class Worker:
             return StepFailed(cmd.step_id, f"{type(e).__name__}: {e}", self.incarnation), None
         if not cmd.seqs:
             return StepDone(cmd.step_id, [], incarnation=self.incarnation), None
-        works = [SeqWork(s.token_ids, s.context_tokens, s.page_table, id_from_hex(s.lease),
+        works = [SeqWork(s.token_ids, s.context_tokens, self.page_tables.extend(s.lease, s.new_pages), s.lease,
                          s.sampling.params() if s.sampling is not None else None, s.output_index)
                  for s in cmd.seqs]
         with torch.inference_mode():
@@ -109,16 +112,17 @@ class Worker:
 
     def _mismatch(self, v: OwnerViolation | SlotViolation) -> OwnerMismatch:
         if isinstance(v, OwnerViolation):
-            return OwnerMismatch(v.work_index, v.page, id_hex(v.owner))
+            return OwnerMismatch(v.work_index, v.page, v.owner)
         log.error("KV SANITIZER: %s worker: lease %s would read token %d (page %d slot %d), last written "
                   "by %s", self.role, id_hex(v.lease), v.position, v.page, v.slot,
                   f"lease {id_hex(v.writer)}" if v.writer else "nobody since the page was released")
-        return OwnerMismatch(v.work_index, v.page, id_hex(v.writer), "sanitizer", f"token {v.position} (slot {v.slot})")
+        return OwnerMismatch(v.work_index, v.page, v.writer, "sanitizer", f"token {v.position} (slot {v.slot})")
 
 
 class LocalWorkerChannel:
-    """A `WorkerChannel` (engine/protocol.py) to a worker in this process: every message is
-    encoded and decoded as it would be on a wire, and run on the device's compute thread.
+    """A `WorkerChannel` (engine/protocol.py) to a worker in this process: every message goes
+    through the protocol's wire codec, as it would to another process, and runs on the device's
+    compute thread.
 
     `compute`: the thread of the worker's device; it runs one message at a time, in the order
     `call` was entered, so a worker (and every worker sharing the device) runs one step at a time."""
@@ -127,18 +131,14 @@ class LocalWorkerChannel:
         self.worker = worker
         self.compute = compute
         self.role = worker.role
-        self._encoder = msgspec.msgpack.Encoder()
-        self._request_decoder = msgspec.msgpack.Decoder(WorkerRequest)
-        self._reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
 
     def _serve(self, payload: bytes) -> bytes:
-        return self._encoder.encode(self.worker.execute(self._request_decoder.decode(payload)))
+        return encode(self.worker.execute(decode_request(payload)))
 
     async def restart(self) -> None:
         """Restart the worker (a new incarnation, see Worker.restart), between steps."""
         await self.compute.run(self.worker.restart)
 
     async def call(self, request: WorkerRequest) -> WorkerReply:
-        payload = self._encoder.encode(request)
-        reply = await self.compute.run(self._serve, payload)  # not cancellable mid-step
-        return self._reply_decoder.decode(reply)
+        reply = await self.compute.run(self._serve, encode(request))  # not cancellable mid-step
+        return decode_reply(reply)

@@ -37,15 +37,16 @@ from kvfence.scheduler.actions import Action, Emit, MoveResult, SendStep, StartT
 from kvfence.scheduler.admission import size_refusal
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, overloaded
-from kvfence.engine.ids import mint_id
+from kvfence.engine.ids import id_hex, mint_id
 from kvfence.scheduler.lease_table import LeaseTable
-from kvfence.engine.protocol import RunStep, SeqStep, StepDone, StepFailed, WorkerReply, id_hex
+from kvfence.engine.protocol import RunStep, SeqStep, StepDone, StepFailed, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
 from kvfence.scheduler.policy import decode_steps, prefill_chunks
 from kvfence.scheduler.preemption import Preemption
 from kvfence.scheduler.reservation import Reservation
 from kvfence.scheduler.request import Request, State, client_closed
+from kvfence.scheduler.tenants import ANONYMOUS, Tenant, TenantLoads
 from kvfence.scheduler.worker_binding import Step, WorkerBinding
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class SchedulerCore(Reservation, Preemption):
         self._arrivals = 0
         self._step_id = 0
         self._transfer_keys = 0
+        self._tenants = TenantLoads()
 
     # ---- queries ----
 
@@ -110,13 +112,22 @@ class SchedulerCore(Reservation, Preemption):
 
     # ---- events ----
 
-    def submit(self, prompt: list[int], params: SamplingParams, now: float, *, priority: bool = False) -> Request:
+    def submit(self, prompt: list[int], params: SamplingParams, now: float, *, priority: bool = False,
+               tenant: Tenant = ANONYMOUS) -> Request:
         """Admit or raise AdmissionRejected; nothing is reserved for a rejected request.
 
+        `tenant`: who it is for (from the authenticated key); its limits hold here: over its
+        tokens per minute or with `max_queued` requests waiting, 429 with Retry-After; at
+        `max_running`, it waits while other tenants' requests behind it start.
         `priority`: a server-internal request (the readiness canary; the HTTP API never sets it),
-        ahead of every queued one: no queue or running-slot limit applies, and when the decode
-        pool is full the newest running request is preempted to make room for it."""
+        ahead of every queued one: no queue, running-slot or tenant limit applies, and when the
+        decode pool is full the newest running request is preempted to make room for it."""
         max_tokens = self.admissible(prompt, params, now)
+        load = self._tenants.of(tenant, now)
+        refusal = None if priority else self._tenants.refusal(load, now)
+        if refusal is not None:
+            self.metrics.rejected(refusal[0])
+            raise refusal[1]
         running = self.num_running()
         if not priority and len(self.queue) >= self.config.max_queue and (
                 self.queue or running >= self.config.max_running or not self._can_reserve(len(prompt), running)):
@@ -125,8 +136,11 @@ class SchedulerCore(Reservation, Preemption):
         self._arrivals += 1
         req = Request(id_hex(self.mint()), list(prompt), params, max_tokens,
                       TextOutput(self.tokenizer, prompt, params, max_tokens), now, tokens=list(prompt),
-                      prefill_target=len(prompt), arrival=self._arrivals, priority=priority)
+                      prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name)
         self._live[req.request_id] = req
+        load.queued += 1
+        if load.bucket is not None:
+            load.bucket.spend(len(prompt), now)
         if priority:
             self.queue.insert(self._queue_front(), req)
         else:
@@ -173,7 +187,7 @@ class SchedulerCore(Reservation, Preemption):
                 if req.state is State.DECODING and token is not None:
                     self._accept_token(req, token, now)
             for (req, seq), token in zip(step.chunks, done.tokens[len(step.decodes):]):
-                if req.state.terminal or seq.lease != id_hex(req.prefill_lease):  # ended, or a later attempt
+                if req.state.terminal or seq.lease != req.prefill_lease:  # ended, or a later attempt
                     continue
                 req.prefilled += len(seq.token_ids)
                 if token is not None:
@@ -262,20 +276,22 @@ class SchedulerCore(Reservation, Preemption):
         first gets the page its next token lands in), then prefill chunks within the token
         budget; sent when it runs something or carries tag changes (a grant a transfer waits for)."""
         decodes = self._grow(now) if w is self.decode else []
-        seqs = decode_steps(decodes)
-        chunks = prefill_chunks(self._prefill_order(), self.config.chunk_tokens - len(seqs)) if w is self.prefill else []
+        seqs = decode_steps(decodes, w.table)
+        chunks = (prefill_chunks(self._prefill_order(), self.config.chunk_tokens - len(seqs), w.table)
+                  if w is self.prefill else [])
         if seqs or chunks or w.table.has_pending:
             self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now)
 
     def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
               seqs: list[SeqStep], now: float) -> None:
-        number, grants, released, landed = w.table.take_pending()
+        number, grants, released, landed, ended = w.table.take_pending()
         self._step_id += 1
         w.in_flight = Step(number, decodes, chunks, seqs)
         w.last_sent_s = now
         for req in w.in_flight.requests:
             req.stepping = True
-        self._actions.append(SendStep(w.name, RunStep(self._step_id, seqs, grants, released, landed, w.incarnation)))
+        message = RunStep(self._step_id, seqs, grants, released, landed, ended, w.incarnation)
+        self._actions.append(SendStep(w.name, message))
 
     def _prefill_order(self) -> list[Request]:
         """Requests prefilling, priority ones first, else in the order they got their pages."""
@@ -290,6 +306,8 @@ class SchedulerCore(Reservation, Preemption):
         """A transition forward to a running state (Request.advance checks it is allowed), with its index."""
         if req.state is State.WAITING:
             self.queue.remove(req)
+            load = self._tenants[req.tenant]
+            load.queued, load.running = load.queued - 1, load.running + 1
         else:
             del self._running[req.state][req.request_id]
         req.advance(new)
@@ -299,6 +317,8 @@ class SchedulerCore(Reservation, Preemption):
         """Preempted (its leases were released): back to the front of the queue, behind the
         priority requests, to prefill everything it has again."""
         del self._running[req.state][req.request_id]
+        load = self._tenants[req.tenant]
+        load.queued, load.running = load.queued + 1, load.running - 1
         req.requeue(now)
         self.queue.insert(self._queue_front(), req)
 
@@ -307,10 +327,13 @@ class SchedulerCore(Reservation, Preemption):
         the request holds. A no-op for an ended request."""
         if req.state.terminal:
             return
+        load = self._tenants[req.tenant]
         if req.state is State.WAITING:
             self.queue.remove(req)
+            load.queued -= 1
         else:
             del self._running[req.state][req.request_id]
+            load.running -= 1
         del self._live[req.request_id]
         delta = req.fail(error) if error is not None else req.finish(last)  # type: ignore[arg-type]
         self._release_leases(req)
@@ -335,6 +358,9 @@ class SchedulerCore(Reservation, Preemption):
     def _accept_token(self, req: Request, token: int, now: float) -> None:
         req.tokens.append(token)
         self.metrics.token(req, now)
+        bucket = self._tenants[req.tenant].bucket
+        if bucket is not None:
+            bucket.spend(1, now)
         delta = req.output.accept(token)
         if delta.terminal:
             self._end(req, None, now, last=delta)
@@ -363,8 +389,8 @@ class SchedulerCore(Reservation, Preemption):
             req, seq = requests[v.seq_index], step.seqs[v.seq_index]
             what = "belongs to" if v.check == "owner_tag" else f"{v.detail} was last written by"
             log.error("KV integrity violation (%s) on the %s worker: page %d %s lease %s, was to be read by "
-                      "lease %s (request %s); the request is failed closed", v.check, w.name, v.page, what, v.owner,
-                      seq.lease, req.request_id)
+                      "lease %s (request %s); the request is failed closed", v.check, w.name, v.page, what,
+                      id_hex(v.owner), id_hex(seq.lease), req.request_id)
             self.metrics.integrity_violation(w.name, v.check)
             self._end(req, RequestError(500, "kv_integrity_error",
                                         "a KV page of this request failed its ownership check; the request was "

@@ -25,6 +25,7 @@ from kvfence.scheduler.actions import Emit, MoveResult, SendStep, StartTransfer,
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.tenants import ANONYMOUS, INTERNAL, Tenant
 from kvfence.engine.protocol import StepFailed, WorkerChannel, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.page_ledger import PageLedger
@@ -79,14 +80,14 @@ class Scheduler:
     def draining(self, value: bool) -> None:
         self.core.draining = value
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
-        """Admit or raise AdmissionRejected; nothing is reserved for a rejected request."""
-        return self._admit(self.core.submit(prompt, params, time.monotonic()))
+    def submit(self, prompt: list[int], params: SamplingParams, tenant: Tenant = ANONYMOUS) -> RequestHandle:
+        """Admit for `tenant` or raise AdmissionRejected; nothing is reserved for a rejected request."""
+        return self._admit(self.core.submit(prompt, params, time.monotonic(), tenant=tenant))
 
     def submit_priority(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
         """Admit a server-internal request (the readiness canary) ahead of every queued one
         (SchedulerCore.submit with `priority`)."""
-        return self._admit(self.core.submit(prompt, params, time.monotonic(), priority=True))
+        return self._admit(self.core.submit(prompt, params, time.monotonic(), priority=True, tenant=INTERNAL))
 
     def in_flight(self) -> int:
         return self.core.in_flight()

@@ -16,15 +16,17 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 class SchedulerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvfence_requests", "Requests by final status", ["status"], registry=r)
+        self.requests = Counter("kvfence_requests", "Requests by tenant and final status", ["tenant", "status"],
+                                registry=r)
         self.ttft = Histogram("kvfence_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
         self.itl = Histogram("kvfence_inter_token_latency_seconds", "Time between output tokens",
                              buckets=_LATENCY_BUCKETS_S, registry=r)
         self.e2e = Histogram("kvfence_e2e_request_latency_seconds", "Admission to last token",
                              buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.prompt_tokens = Counter("kvfence_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generated_tokens = Counter("kvfence_generation_tokens", "Generated tokens", registry=r)
+        self.tokens = Counter("kvfence_tokens", "Tokens by tenant and kind: prompt (of finished requests), "
+                              "completion (generated), cached (prompt tokens served from the prefix cache)",
+                              ["tenant", "kind"], registry=r)
         self.pages = Gauge("kvfence_kv_pages", "KV pages by role and state", ["role", "state"], registry=r)
         self.waiting = Gauge("kvfence_requests_waiting", "Requests waiting for pages", registry=r)
         self.running = Gauge("kvfence_requests_running", "Requests holding pages", registry=r)
@@ -69,11 +71,11 @@ class SchedulerMetrics:
         elif req.last_token_s is not None:
             self.itl.observe(now - req.last_token_s)
         req.last_token_s = now
-        self.generated_tokens.inc()
+        self.tokens.labels(req.tenant, "completion").inc()
 
     def finished(self, req: Request, now: float) -> None:
-        self.requests.labels(req.state.value if req.finish_reason is None else req.finish_reason).inc()
-        self.prompt_tokens.inc(len(req.prompt))
+        self.requests.labels(req.tenant, req.state.value if req.finish_reason is None else req.finish_reason).inc()
+        self.tokens.labels(req.tenant, "prompt").inc(len(req.prompt))
         self.e2e.observe(now - req.created_s)
 
     def transfer(self, ok: bool, nbytes: int, handoff_s: float) -> None:

@@ -5,21 +5,24 @@ No I/O and no awaiting here; the scheduler dispatches what these return.
 
 from __future__ import annotations
 
-from kvfence.engine.protocol import SamplingSpec, SeqStep, id_hex
+from kvfence.engine.protocol import SamplingSpec, SeqStep
+from kvfence.scheduler.lease_table import LeaseTable
 from kvfence.scheduler.request import Request
 
 
-def decode_steps(requests: list[Request]) -> list[SeqStep]:
-    """One step per decoding request: feed its last token, which lands at position len(tokens) - 1."""
-    return [SeqStep(id_hex(r.decode_lease), [r.tokens[-1]], len(r.tokens) - 1, r.decode_pages,
+def decode_steps(requests: list[Request], table: LeaseTable) -> list[SeqStep]:
+    """One step per decoding request: feed its last token, which lands at position len(tokens) - 1.
+    `table`: the decode pool's, which knows what of each page table its worker already has."""
+    return [SeqStep(r.decode_lease, [r.tokens[-1]], len(r.tokens) - 1, table.new_pages(r.decode_lease, r.decode_pages),
                     SamplingSpec.of(r.params), r.num_generated) for r in requests]
 
 
-def prefill_chunks(requests: list[Request], budget_tokens: int) -> list[tuple[Request, SeqStep]]:
+def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTable) -> list[tuple[Request, SeqStep]]:
     """Chunks of the tokens each request still has to prefill, first come first served, within the budget.
 
     A request prefills its prompt, or after a preemption its prompt plus what it generated. The
-    chunk that completes it asks for a sample: the request's next output token."""
+    chunk that completes it asks for a sample: the request's next output token. `table`: the
+    prefill pool's."""
     out: list[tuple[Request, SeqStep]] = []
     for req in requests:
         if budget_tokens <= 0:
@@ -29,8 +32,8 @@ def prefill_chunks(requests: list[Request], budget_tokens: int) -> list[tuple[Re
             continue
         n = min(remaining, budget_tokens)
         last = req.prefilled + n == req.prefill_target
-        out.append((req, SeqStep(id_hex(req.prefill_lease), req.tokens[req.prefilled: req.prefilled + n],
-                                 req.prefilled, req.prefill_pages,
+        out.append((req, SeqStep(req.prefill_lease, req.tokens[req.prefilled: req.prefilled + n],
+                                 req.prefilled, table.new_pages(req.prefill_lease, req.prefill_pages),
                                  SamplingSpec.of(req.params) if last else None, req.num_generated)))
         budget_tokens -= n
     return out

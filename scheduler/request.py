@@ -82,6 +82,7 @@ class Request:
     pending_end: RequestError | None = None  # an end asked for that waits until nothing touches its pages
     arrival: int = 0  # admission order: the newest running request is the one preempted
     priority: bool = False  # a server-internal request (the readiness canary): ahead of the queue
+    tenant: str = "anonymous"  # the authenticated tenant (scheduler/tenants.py); its leases are its own
     preemptions: int = 0
     queued_s: float = 0.0  # when it last joined the queue
     first_token_s: float | None = None

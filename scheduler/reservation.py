@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvfence.scheduler.admission import Refusal, quarantine_refusal
 from kvfence.scheduler.errors import RequestError
 from kvfence.scheduler.lease_table import LeaseTable
-from kvfence.engine.protocol import id_hex
+from kvfence.engine.ids import id_hex
 from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.worker_binding import WorkerBinding
 
@@ -85,8 +85,10 @@ class Reservation:
                 if refusal is not None:
                     self.metrics.rejected(refusal.reason)
                     self._end(req, refusal.error, now)
-        while self.queue:
-            req = self.queue[0]
+        while True:
+            req = self._next_to_start()
+            if req is None:
+                return
             running = self.num_running()
             if not req.priority and running >= self.config.max_running:
                 return
@@ -102,6 +104,11 @@ class Reservation:
             (req.prefill_lease, req.prefill_pages), (req.decode_lease, req.decode_pages) = \
                 leases[self.prefill], leases[self.decode]  # one pool for both roles: one lease, one page list
             self._move(req, State.PREFILLING)
+
+    def _next_to_start(self) -> Request | None:
+        """The first queued request whose tenant may run one more: a tenant at its running limit
+        waits without holding up the others behind it."""
+        return next((r for r in self.queue if r.priority or not self._tenants[r.tenant].at_running_limit), None)
 
     def _release_leases(self, req: Request) -> None:
         """Release every lease `req` holds (the workers untag and scrub the pages in their next message)."""

@@ -15,8 +15,7 @@ import msgspec
 import anyio
 
 from kvfence.scheduler.actions import MoveResult
-from kvfence.engine.ids import mint_id
-from kvfence.engine.protocol import id_hex
+from kvfence.engine.ids import id_hex, mint_id
 from kvfence.transports.base import Peer, TransferManifest, Transport
 from kvfence.transports.core.secret import DeploymentSecret
 

@@ -45,8 +45,7 @@ import msgspec
 import torch
 
 from kvfence.app.config import PoolsConfig
-from kvfence.engine.ids import mint_id
-from kvfence.engine.protocol import id_hex
+from kvfence.engine.ids import id_hex, mint_id
 from kvfence.transports.base import PairingRecord, Peer, TransferManifest, Transport, TransportUnavailable
 from kvfence.transports.core.digest import page_digest
 from kvfence.transports.core.secret import DeploymentSecret

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.admin_key: str | None = None  # set by a test that serves with --api-keys
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfence.app.cli", "serve", "--model", str(model), "--port", str(self.port), *args],
@@ -50,8 +52,9 @@ class ServerProcess:
         return self.log_path.read_text()
 
     def metric(self, name: str, **labels: str) -> float:
-        """One sample of a Prometheus metric from /metrics."""
-        text = httpx.get(self.base_url + "/metrics", timeout=5).text
+        """One sample of a Prometheus metric from /metrics (with `admin_key` when the server has keys)."""
+        headers = {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
+        text = httpx.get(self.base_url + "/metrics", headers=headers, timeout=5).text
         want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
         for line in text.splitlines():
             m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$", line)
@@ -74,3 +77,14 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def serving(srv: ServerProcess) -> Iterator[ServerProcess]:
+    """The body of a module fixture: `yield from serving(ServerProcess(...))` waits until it is
+    ready, hands it to the tests, then stops it and checks it exited cleanly (0)."""
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.log()

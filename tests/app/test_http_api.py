@@ -19,6 +19,7 @@ from kvfence.scheduler.errors import (
     overloaded,
 )
 from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.tenants import Tenant
 from starlette.testclient import TestClient
 from tokenizers import pre_tokenizers
 
@@ -53,6 +54,7 @@ class StubEngine:
         self.submitted: list[tuple[list[int], SamplingParams]] = []
         self.handles: list[RequestHandle] = []
         self.aborts = 0
+        self.tenants: list[Tenant] = []
 
     @property
     def max_context_tokens(self) -> int:
@@ -64,8 +66,9 @@ class StubEngine:
     def _abort(self) -> None:
         self.aborts += 1
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant) -> RequestHandle:
         self.submitted.append((prompt_token_ids, sampling))
+        self.tenants.append(tenant)
         if self.mode == "reject":
             raise self.rejection
         if self.mode != "idle":
@@ -352,9 +355,9 @@ class _LoopThreadEngine(StubEngine):
 
     loop_thread = 0
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant) -> RequestHandle:
         self.loop_thread = threading.get_ident()
-        return super().submit(prompt_token_ids, sampling)
+        return super().submit(prompt_token_ids, sampling, tenant)
 
 
 def test_long_bodies_are_prepared_off_the_event_loop_short_ones_on_it() -> None:

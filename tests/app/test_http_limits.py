@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, serving
 
 # Every stream chunk carries the model name. A long one makes each chunk ~60 KB, so the socket
 # buffers between a non-reading client and the server (the kernel grows the server's send buffer
@@ -34,12 +34,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = ServerProcess(gguf_path, "--served-model-name", MODEL, "--canary-interval", "3600",
                         "--stall-timeout", str(STALL_TIMEOUT_S),
                         log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.log()
+    yield from serving(srv)
 
 
 def until(predicate, timeout_s: float = 120, what: str = "") -> None:  # type: ignore[no-untyped-def]
@@ -207,8 +202,8 @@ def test_unsupported_fields_are_refused_by_name_and_the_default_call_is_served(c
 def test_a_client_that_stops_reading_is_ended_at_the_stall_timeout_and_others_are_served(
         server: ServerProcess, client: openai.OpenAI) -> None:
     solo = client.completions.create(**completion("hello there", max_tokens=64))
-    aborted, lengths = metric(server, "kvfence_requests_total", status="aborted"), \
-        metric(server, "kvfence_requests_total", status="length")
+    aborted, lengths = metric(server, "kvfence_requests_total", tenant="anonymous", status="aborted"), \
+        metric(server, "kvfence_requests_total", tenant="anonymous", status="length")
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000,
                        "temperature": 0, "ignore_eos": True, "stream": True}).encode()
     stalled = raw_request(server, "/v1/chat/completions", {"Content-Length": str(len(body))}, rcvbuf=4096)
@@ -218,10 +213,10 @@ def test_a_client_that_stops_reading_is_ended_at_the_stall_timeout_and_others_ar
         # Served while the non-reading stream is in flight, token for token as when alone.
         beside = client.completions.create(**completion("hello there", max_tokens=64), stream=True)
         assert "".join(c.choices[0].text for c in beside if c.choices) == solo.choices[0].text
-        until(lambda: metric(server, "kvfence_requests_total", status="aborted") == aborted + 1,
+        until(lambda: metric(server, "kvfence_requests_total", tenant="anonymous", status="aborted") == aborted + 1,
               what="the stall timeout to end the request")
         until(lambda: not any(server.pages_in_use().values()), 10, "its pages to come back")
-        assert metric(server, "kvfence_requests_total", status="length") == lengths + 1  # only the one beside
+        assert metric(server, "kvfence_requests_total", tenant="anonymous", status="length") == lengths + 1  # only the one beside
         assert f"the client read nothing for {STALL_TIMEOUT_S:g} s; aborting it" in server.log()
         after = client.completions.create(**completion("hello there", max_tokens=64))
         assert after.choices[0].text == solo.choices[0].text

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, serving
 
 MODEL = "SmolLM2-135M-Instruct"
 COMMON = ("--canary-interval", "3600", "--max-context", "2048", "--prefill-num-pages", "256",
@@ -34,12 +34,7 @@ def server(request: pytest.FixtureRequest, default_model_path: Path,
     srv = ServerProcess(default_model_path, *MODES[request.param], *COMMON,
                         log_path=tmp_path_factory.mktemp("server") / "server.log")
     srv.mode = request.param  # type: ignore[attr-defined]
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.log()
+    yield from serving(srv)
 
 
 def wait_baseline(srv: ServerProcess) -> None:
@@ -152,7 +147,7 @@ def test_disconnect_mid_stream_returns_pages(server: ServerProcess, reference: d
                 if i >= 6:
                     break  # leaving the block closes the connection mid-stream
     wait_baseline(server)
-    assert server.metric("kvfence_requests_total", status="aborted") >= 1
+    assert server.metric("kvfence_requests_total", tenant="anonymous", status="aborted") >= 1
 
 
 @pytest.mark.parametrize("body, param, code", [

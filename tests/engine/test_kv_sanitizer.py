@@ -16,7 +16,7 @@ from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker
-from kvfence.engine.protocol import Landing, PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, id_hex
+from kvfence.engine.protocol import Landing, PageGrant, RunStep, SamplingSpec, SeqStep, StepDone
 
 A, B = (7 << 100) | 1, (9 << 90) | 5  # two 128-bit leases
 GREEDY = SamplingParams(temperature=0)
@@ -57,8 +57,8 @@ def worker(tiny: Checkpoint) -> Worker:
     return Worker("decode", ModelRunner(model, pool, sanitizer=KvSanitizer(8, 4)))
 
 
-def seq(lease: int, tokens: list[int], context: int, table: list[int]) -> SeqStep:
-    return SeqStep(id_hex(lease), tokens, context, table, SamplingSpec(temperature=0))
+def seq(lease: int, tokens: list[int], context: int, new_pages: list[int]) -> SeqStep:
+    return SeqStep(lease, tokens, context, new_pages, SamplingSpec(temperature=0))
 
 
 def run(w: Worker, step_id: int, seqs: list[SeqStep], **fields: object) -> StepDone:
@@ -71,24 +71,24 @@ def test_stale_slots_of_a_correctly_tagged_page_are_refused(tiny: Checkpoint) ->
     """A's prefill fills pages 0-1; they are released and granted to B, who claims 6 cached tokens it
     never wrote. Owner tags pass (the pages are B's now); the sanitizer refuses the read."""
     w = worker(tiny)
-    first = run(w, 1, [seq(A, [5, 6, 7, 8, 9, 10], 0, [0, 1])], grants=[PageGrant(id_hex(A), [0, 1])])
+    first = run(w, 1, [seq(A, [5, 6, 7, 8, 9, 10], 0, [0, 1])], grants=[PageGrant(A, [0, 1])])
     assert first.tokens[0] is not None and first.violations == []
-    reply = run(w, 2, [seq(B, [3], 6, [0, 1])], released=[0, 1], grants=[PageGrant(id_hex(B), [0, 1])])
+    reply = run(w, 2, [seq(B, [3], 6, [0, 1])], released=[0, 1], grants=[PageGrant(B, [0, 1])])
     assert reply.tokens == [None]
     (v,) = reply.violations
-    assert (v.check, v.seq_index, v.page, v.owner) == ("sanitizer", 0, 0, id_hex(0)) and "token 0" in v.detail
+    assert (v.check, v.seq_index, v.page, v.owner) == ("sanitizer", 0, 0, 0) and "token 0" in v.detail
 
 
 def test_a_landed_transfer_counts_as_the_leases_writes_and_only_up_to_its_tokens(tiny: Checkpoint) -> None:
     w = worker(tiny)
-    grant = PageGrant(id_hex(A), [2, 5])
+    grant = PageGrant(A, [2, 5])
     # The transfer landed 5 tokens; decoding at context 5 reads exactly those.
-    ok = run(w, 1, [seq(A, [4], 5, [2, 5])], grants=[grant], landed=[Landing(id_hex(A), [2, 5], 5)])
+    ok = run(w, 1, [seq(A, [4], 5, [2, 5])], grants=[grant], landed=[Landing(A, [2, 5], 5)])
     assert ok.tokens[0] is not None and ok.violations == []
     # Another sequence whose transfer claimed 3 tokens but decodes from 5 is refused, alone.
-    grant_b = PageGrant(id_hex(B), [3, 4])
-    reply = run(w, 2, [seq(A, [7], 6, [2, 5]), seq(B, [4], 5, [3, 4])], grants=[grant_b],
-                landed=[Landing(id_hex(B), [3, 4], 3)])
+    grant_b = PageGrant(B, [3, 4])
+    reply = run(w, 2, [seq(A, [7], 6, []), seq(B, [4], 5, [3, 4])], grants=[grant_b],
+                landed=[Landing(B, [3, 4], 3)])
     assert reply.tokens[0] is not None and reply.tokens[1] is None
     (v,) = reply.violations
     assert (v.check, v.seq_index, v.page) == ("sanitizer", 1, 3) and "token 3" in v.detail
@@ -97,8 +97,8 @@ def test_a_landed_transfer_counts_as_the_leases_writes_and_only_up_to_its_tokens
 def test_the_owner_check_still_runs_and_refused_steps_record_no_writes(tiny: Checkpoint) -> None:
     w = worker(tiny)
     # B names A's page: the owner check refuses it; the sanitizer must not count B's would-be write.
-    reply = run(w, 1, [seq(A, [1, 2, 3], 0, [0]), seq(B, [4, 5], 0, [0])], grants=[PageGrant(id_hex(A), [0])])
+    reply = run(w, 1, [seq(A, [1, 2, 3], 0, [0]), seq(B, [4, 5], 0, [0])], grants=[PageGrant(A, [0])])
     assert reply.tokens[0] is not None and reply.tokens[1] is None
     (v,) = reply.violations
-    assert v.check == "owner_tag" and v.owner == id_hex(A)
+    assert v.check == "owner_tag" and v.owner == A
     assert w.sanitizer is not None and w.sanitizer.written_by(0, 0) == A

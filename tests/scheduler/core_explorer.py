@@ -2,8 +2,8 @@
 and the transport receiver's state machine (transports/core/receiver_state.py).
 
 A `World` is the core plus what stands around it, kept as small models of what they do to pages:
-each worker applies a message's releases, then its grants, then checks and writes the pages of
-every sequence it runs; the transport arms the real `ReceiverState`, and a transfer lands, fails
+each worker applies a message's releases, then its grants, keeps each lease's page table from the
+pages its steps send, then checks and writes the pages of every sequence it runs; the transport arms the real `ReceiverState`, and a transfer lands, fails
 quietly, or fails loud (its cancellation unacknowledged) and may then write late until it is
 reported quiet. `explore` runs a breadth-first search over every interleaving of the events a
 state enables (submit, abort, step reply, failed step, worker restart, transfer success, quiet
@@ -17,7 +17,8 @@ checks the invariants of BRIEF.md after every event:
   still touch is held by its lease, owned or quarantined;
 - terminal states are monotone: one terminal delta per request, nothing after it, and no token of a
   disaggregated request before its KV landed;
-- once no event is enabled, every request is terminal and every page is free and untagged.
+- once no event is enabled, every request is terminal, every page is free and untagged, and no
+  worker keeps a page table.
 
 BFS finds the shortest event trace that breaks an invariant; `Violation` carries it.
 """
@@ -37,7 +38,8 @@ from kvfence.scheduler.actions import Emit, MoveResult, SendStep, StartTransfer,
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 from kvfence.scheduler.errors import AdmissionRejected
-from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerReply, id_from_hex, id_hex
+from kvfence.engine.ids import id_hex
+from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.worker_binding import WorkerBinding
 from kvfence.transports.base import TransferManifest
@@ -78,6 +80,7 @@ class SimWorker:
     incarnation: int = 1
     tags: dict[int, int] = dataclasses.field(default_factory=dict)  # page -> lease (absent: free)
     slots: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (page, slot) -> writer lease
+    page_tables: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # lease -> its pages, in order
     message: RunStep | None = None  # the step in flight
 
     def inc(self) -> str:
@@ -94,24 +97,31 @@ class SimWorker:
                 self.slots.pop((page, slot), None)
         for grant in msg.grants:
             for page in grant.pages:
-                self.tags[page] = id_from_hex(grant.lease)
+                self.tags[page] = grant.lease
         for landing in msg.landed:  # the sanitizer learns who wrote a landed transfer
-            self.write(id_from_hex(landing.lease), landing.pages, 0, landing.num_tokens)
+            self.write(landing.lease, landing.pages, 0, landing.num_tokens)
+        for lease in msg.ended:
+            self.page_tables.pop(lease, None)
+        for seq in msg.seqs:
+            self.page_tables.setdefault(seq.lease, []).extend(seq.new_pages)
         if fail:
             return StepFailed(msg.step_id, "injected", self.inc())
         tokens: list[int | None] = []
         for seq in msg.seqs:
-            lease = id_from_hex(seq.lease)
+            lease, table = seq.lease, self.page_tables[seq.lease]
             end = seq.context_tokens + len(seq.token_ids)
+            if len(table) * self.page_size < end:
+                raise Broken(f"{self.name} worker: the page table of lease {id_hex(lease)[-6:]} holds {len(table)} "
+                             f"pages, too few for {end} tokens")
             for pos in range(end):
-                page = seq.page_table[pos // self.page_size]
+                page = table[pos // self.page_size]
                 if self.tags.get(page) != lease:
                     raise Broken(f"{self.name} worker: seq of lease {seq.lease[-6:]} touches page {page} tagged "
                                  f"{id_hex(self.tags.get(page, 0))[-6:]}")
                 if pos < seq.context_tokens and self.slots.get((page, pos % self.page_size)) != lease:
                     raise Broken(f"{self.name} worker: lease {seq.lease[-6:]} reads token {pos} (page {page}) "
                                  f"that it did not write")
-            self.write(lease, seq.page_table, seq.context_tokens, end)
+            self.write(lease, table, seq.context_tokens, end)
             tokens.append(TOKEN if seq.sampling is not None else None)
         return StepDone(msg.step_id, tokens, incarnation=self.inc())
 
@@ -205,6 +215,7 @@ class World:
         sim.incarnation += 1
         sim.tags.clear()
         sim.slots.clear()
+        sim.page_tables.clear()
 
     def land(self, key: int) -> None:
         t = self.transfers.pop(key)
@@ -317,6 +328,8 @@ class World:
                 raise Broken(f"{w.ledger.num_used} pages of the {w.name} pool are not free once no event is left")
             if self.sims[w.name].tags:
                 raise Broken(f"pages {sorted(self.sims[w.name].tags)} of the {w.name} pool are still tagged")
+            if self.sims[w.name].page_tables:
+                raise Broken(f"the {w.name} worker still keeps the page tables of ended leases")
 
     def fingerprint(self) -> str:
         reqs = []
@@ -326,8 +339,10 @@ class World:
                                                   is not None, req.prefill_lease, req.decode_lease,
                                                   tuple(req.decode_pages), req.stepping, req.transfer))
         tables = [(list(w.ledger._free), sorted(w.ledger._owned.items()), sorted(w.ledger._quarantined.items()),  # noqa: SLF001
-                   w.table.has_pending, w.incarnation, w.in_flight is not None) for w in self.core.workers]
-        sims = [(sorted(s.tags.items()), sorted(s.slots.items()), s.incarnation, s.message) for s in self.sims.values()]
+                   w.table.has_pending, sorted(w.table._sent.items()), list(w.table._ended),  # noqa: SLF001
+                   w.incarnation, w.in_flight is not None) for w in self.core.workers]
+        sims = [(sorted(s.tags.items()), sorted(s.slots.items()), sorted(s.page_tables.items()), s.incarnation,
+                 s.message) for s in self.sims.values()]
         outs = {rid: [(d.delta.token_ids, d.delta.finish_reason, d.delta.error and d.delta.error.code)
                       for d in ds] for rid, ds in self.deltas.items()}
         transfers = sorted((k, t.loud, t.watched) for k, t in self.transfers.items())

@@ -26,7 +26,6 @@ from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.engine.ids import mint_id
-from kvfence.engine.protocol import id_hex
 
 PAGE = 4
 CONTEXT = 96
@@ -164,16 +163,16 @@ async def test_foreign_page_tag_fails_only_that_request(harness: Harness, tiny: 
 
     def corrupted():  # type: ignore[no-untyped-def]
         """The first grant to the second request's lease tags its first page with a stranger's lease."""
-        number, grants, released, landed = take()
+        number, grants, released, landed, ended = take()
         out = []
         for grant in grants:
             if grant.lease not in leases:
                 leases.append(grant.lease)
                 if len(leases) == 2:
-                    out += [type(grant)(id_hex(mint_id()), grant.pages[:1]), type(grant)(grant.lease, grant.pages[1:])]
+                    out += [type(grant)(mint_id(), grant.pages[:1]), type(grant)(grant.lease, grant.pages[1:])]
                     continue
             out.append(grant)
-        return number, out, released, landed
+        return number, out, released, landed, ended
 
     table.take_pending = corrupted  # type: ignore[method-assign]
     try:

@@ -13,7 +13,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, StepFailed, id_hex
+from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, StepFailed
 
 pytestmark = pytest.mark.anyio
 LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -111,7 +111,7 @@ def test_a_step_for_the_old_incarnation_is_refused_unapplied(tiny: Checkpoint) -
     w = make_worker(tiny, "decode", 8, 4)
     old = w.incarnation
     w.restart()
-    lease = id_hex(5 << 64 | 3)
+    lease = 5 << 64 | 3
     step = RunStep(1, [SeqStep(lease, [1, 2, 3], 0, [0], SamplingSpec(temperature=0))],
                    grants=[PageGrant(lease, [0])], incarnation=old)
     before = w.pool.data.clone()

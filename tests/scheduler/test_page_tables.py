@@ -1,0 +1,76 @@
+"""Page tables are kept per lease on the worker: each page of a lease crosses to the worker once,
+in the step after the lease gained it, and the worker forgets a lease's table when it ends."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.protocol import RunStep, decode_request, encode
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import SamplingParams
+from kvfence.scheduler.lease_table import LeaseTable
+from kvfence.scheduler.offline import OfflineEngine
+
+PAGE = 4
+A, B = (3 << 120) | 7, (5 << 100) | 9
+
+
+def test_a_step_sends_only_the_pages_a_lease_gained_and_ended_leases_are_named_once() -> None:
+    table = LeaseTable(8)
+    pages = table.reserve(A, 2)
+    assert pages is not None and table.new_pages(A, pages) == pages
+    assert table.new_pages(A, pages) == []  # nothing new: nothing sent
+    more = table.reserve(A, 1)
+    assert more is not None and table.new_pages(A, pages + more) == more
+    b_pages = table.reserve(B, 1)
+    assert b_pages is not None
+    table.release(A)
+    table.quarantine(B, 0.0)  # never stepped: the worker has no table of B to forget
+    _, _, released, _, ended = table.take_pending()
+    assert sorted(released) == sorted(pages + more) and ended == [A]
+    assert table.take_pending()[4] == []
+
+
+def test_the_wire_form_carries_128_bit_leases_exactly() -> None:
+    step = RunStep(1, [], ended=[A, B])
+    assert decode_request(encode(step)) == step
+
+
+def engine(tiny: Checkpoint) -> OfflineEngine:
+    model = LlamaModel(tiny, torch.float32)
+    return OfflineEngine(ModelRunner(model, KVPool(model.config, 32, PAGE, torch.float32)), tiny.tokenizer,
+                         chunk_tokens=8)
+
+
+def test_every_page_crosses_once_and_output_is_unchanged(tiny: Checkpoint) -> None:
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)] * 2
+    want = [o.generated_token_ids for o in engine(tiny).generate(prompts, params)]
+
+    e = engine(tiny)
+    sent: dict[int, list[int]] = {}  # lease -> pages sent for it, in order
+    granted: dict[int, list[int]] = {}
+    steps = 0
+    execute = e.worker.execute_with_logits
+
+    def recording(message: RunStep, return_logits: bool = False):  # type: ignore[no-untyped-def]
+        nonlocal steps
+        for grant in message.grants:
+            granted.setdefault(grant.lease, []).extend(grant.pages)
+        for seq in message.seqs:
+            sent.setdefault(seq.lease, []).extend(seq.new_pages)
+            steps += 1
+        return execute(message, return_logits)
+
+    e.worker.execute_with_logits = recording  # type: ignore[method-assign]
+    got = [o.generated_token_ids for o in e.generate(prompts, params)]
+    assert got == want
+    # each lease's pages crossed exactly once, in the order they were granted, over many steps
+    assert sent == granted and all(len(set(p)) == len(p) for p in sent.values())
+    assert steps > sum(len(p) for p in sent.values())
+    # the last message named both leases as ended: the worker keeps no table and no tag
+    assert len(e.worker.page_tables) == 0 and e.ledger.num_used == 0
+    assert all(e.worker.pool.owner(p) == 0 for p in range(e.worker.pool.num_pages))
