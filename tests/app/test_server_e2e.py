@@ -214,7 +214,8 @@ def test_same_client_request_id_twice(server: ServerProcess, reference: dict) ->
     # the client's id comes back with each response and is in the log line of each, next to the
     # server's own distinct id: both requests are observably served
     assert [r.headers["x-request-id"] for r in responses] == ["same", "same"]
-    admitted = re.findall(r"request ([0-9a-f]{32}) admitted: \d+ prompt tokens, client request id 'same', "
+    admitted = re.findall(r"request ([0-9a-f]{32}) admitted: tenant anonymous, \d+ prompt tokens, "
+                          r"client request id 'same', "
                           r"user 'same'", server.log())
     assert {f"chatcmpl-{i}" for i in admitted} >= {r["id"] for r in out}
     wait_baseline(server)
