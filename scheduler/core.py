@@ -139,8 +139,7 @@ class SchedulerCore(Reservation, Preemption):
                       prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name)
         self._live[req.request_id] = req
         load.queued += 1
-        if load.bucket is not None:
-            load.bucket.spend(len(prompt), now)
+        load.spend(len(prompt), now)
         if priority:
             self.queue.insert(self._queue_front(), req)
         else:
@@ -358,9 +357,7 @@ class SchedulerCore(Reservation, Preemption):
     def _accept_token(self, req: Request, token: int, now: float) -> None:
         req.tokens.append(token)
         self.metrics.token(req, now)
-        bucket = self._tenants[req.tenant].bucket
-        if bucket is not None:
-            bucket.spend(1, now)
+        self._tenants[req.tenant].spend(1, now)
         delta = req.output.accept(token)
         if delta.terminal:
             self._end(req, None, now, last=delta)

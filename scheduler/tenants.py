@@ -1,5 +1,5 @@
-"""Tenants as the scheduler sees them: a name every request and lease carries, and the limits
-admission holds it to.
+"""Tenants as the scheduler sees them: a name every request carries (each lease belongs to one
+request), and the limits admission holds it to.
 
 The tenant comes from the authenticated API key (app/api_keys.py), never from a request body. The
 core counts each tenant's queued and running requests (`TenantLoad`, kept where states change) and
@@ -78,9 +78,10 @@ class TenantLoad:
     def at_running_limit(self) -> bool:
         return self.tenant.max_running is not None and self.running >= self.tenant.max_running
 
-    @property
-    def idle(self) -> bool:
-        return not self.queued and not self.running
+    def spend(self, tokens: int, now: float) -> None:
+        """Charge `tokens` to the tenant's bucket (no bucket: no rate limit)."""
+        if self.bucket is not None:
+            self.bucket.spend(tokens, now)
 
 
 class TenantLoads(dict[str, TenantLoad]):
