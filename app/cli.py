@@ -52,6 +52,20 @@ def _build_parser() -> argparse.ArgumentParser:
                                          "its digest (the key itself is shown once, never stored)")
     key.add_argument("tenant", help="the tenant's name")
 
+    probe = sub.add_parser("probe", help="probe any OpenAI-compatible endpoint for cross-tenant leaks (canaries, "
+                                         "over-long prompts, transfer fields, prefix-cache timing, error envelope)")
+    probe.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    probe.add_argument("--key", default=None, help="API key of tenant A (the one that plants canaries); also "
+                                                   "KVFENCE_PROBE_KEY")
+    probe.add_argument("--other-key", default=None, help="API key of tenant B (the one that must never see A's); "
+                                                         "also KVFENCE_PROBE_OTHER_KEY. Without it B is A")
+    probe.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    probe.add_argument("--context", type=int, default=None, help="advertised context in tokens (default: "
+                                                                  "max_model_len of /v1/models, else 2048)")
+    probe.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    probe.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    probe.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
     fetch = sub.add_parser("fetch", help="fetch a known model into the cache and print its path")
     fetch.add_argument("model", nargs="?", default=None)
     return parser
@@ -201,6 +215,30 @@ def _api_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _probe(args: argparse.Namespace) -> int:
+    """Exit 0 when every check passed (or was skipped), 1 on any leak or failed check, 2 when the
+    server could not be probed at all."""
+    import json
+    import os
+
+    import httpx
+
+    from kvfence.app.probe import Prober, ok, report, table
+
+    prober = Prober(args.url, args.key or os.environ.get("KVFENCE_PROBE_KEY"),
+                    args.other_key or os.environ.get("KVFENCE_PROBE_OTHER_KEY"), args.model,
+                    context=args.context, timeout_s=args.timeout)
+    try:
+        checks = prober.run(progress=not args.no_progress)
+    except httpx.HTTPError as e:
+        print(f"kvfence probe: cannot probe {args.url}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        prober.close()
+    print(json.dumps(report(args.url, checks), indent=1) if args.json else table(checks))
+    return 0 if ok(checks) else 1
+
+
 def _config_reference() -> int:
     from kvfence.app.config import config_reference
 
@@ -224,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _config_reference()
         if args.command == "api-key":
             return _api_key(args)
+        if args.command == "probe":
+            return _probe(args)
         return _fetch(args)
     except (ValueError, FileNotFoundError, CheckpointError, FetchError) as e:
         print(f"kvfence: error: {e}", file=sys.stderr)

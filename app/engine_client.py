@@ -19,11 +19,16 @@ class EngineClient(Protocol):
         """The longest prompt + max_tokens any request may have (advertised in /v1/models)."""
         ...
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant) -> RequestHandle:
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant,
+               cache_salt: str = "") -> RequestHandle:
         """Admit a request of the authenticated `tenant` or raise `AdmissionRejected` (400 / 429 /
-        503, nothing reserved).
+        503, nothing reserved). `cache_salt` (from the body) only partitions the tenant's prefix cache.
 
         `sampling.max_tokens` is always set by the caller (the API fills the default)."""
+        ...
+
+    def flush_cache(self) -> dict[str, int]:
+        """Drop every prefix-cache entry; the pages freed per worker."""
         ...
 
     def is_ready(self) -> bool:

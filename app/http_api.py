@@ -81,6 +81,7 @@ class _Prepared:
     include_usage: bool
     model: str
     user: str | None = None  # the client's `user` field: logged, never used
+    cache_salt: str = ""  # partitions the tenant's prefix cache; never chooses a tenant
 
 
 class _Shape:
@@ -156,10 +157,11 @@ class _GenerationResponse(Response):
                         error.message)
         return error
 
-    def _usage(self, completion_tokens: int) -> s.Usage:
+    def _usage(self, completion_tokens: int, cached_tokens: int) -> s.Usage:
         prompt = len(self.prep.prompt_ids)
         return s.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
-                       total_tokens=prompt + completion_tokens)
+                       total_tokens=prompt + completion_tokens,
+                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached_tokens))
 
     async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
         texts: list[str] = []
@@ -174,7 +176,7 @@ class _GenerationResponse(Response):
                 completion_tokens += len(delta.token_ids)
                 if delta.finish_reason is not None:
                     self.finished = True
-                    body = self.shape.whole("".join(texts), delta.finish_reason, self._usage(completion_tokens))
+                    body = self.shape.whole("".join(texts), delta.finish_reason, self._usage(completion_tokens, delta.cached_tokens))
                     response = Response(self.encoder.encode(body), media_type="application/json")
                     break
         await response(scope, receive, send)
@@ -202,7 +204,7 @@ class _GenerationResponse(Response):
                     if self.shape.chat:
                         await event(self.shape.chunk(None, delta.finish_reason))
                     if self.prep.include_usage:
-                        await event(self.shape.usage_chunk(self._usage(completion_tokens)))
+                        await event(self.shape.usage_chunk(self._usage(completion_tokens, delta.cached_tokens)))
                     await send({"type": "http.response.body", "body": _DONE, "more_body": False})
                     return
         await event(error_envelope(failure))
@@ -254,7 +256,7 @@ class _Api:
                 prep = self._prepare(body, chat)
             else:  # decoding, rendering and tokenizing a long input would stall every other stream
                 prep = await anyio.to_thread.run_sync(self._prepare, body, chat, limiter=self.long_inputs)
-            handle = self.engine.submit(prep.prompt_ids, prep.sampling, tenant)
+            handle = self.engine.submit(prep.prompt_ids, prep.sampling, tenant, prep.cache_salt)
             log.info("request %s admitted: tenant %s, %d prompt tokens, client request id %r, user %r",
                      handle.request_id, tenant.name, len(prep.prompt_ids), client_request_id(request), prep.user)
         except RefusedBody as refused:
@@ -325,7 +327,8 @@ class _Api:
             raise from_sampling_error(e, max_param) from e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Prepared(prompt_ids=ids, sampling=sampling, chat=chat, stream=bool(req.stream),
-                         include_usage=include_usage, model=self.engine.model_name, user=req.user)
+                         include_usage=include_usage, model=self.engine.model_name, user=req.user,
+                         cache_salt=req.cache_salt or "")
 
     def _unauthorized(self, needs: str) -> Response:
         err = RequestError(401, "invalid_api_key", f"this route needs {needs}: send it as 'Authorization: Bearer "
@@ -358,6 +361,14 @@ class _Api:
         body, content_type = self.metrics_text()
         return Response(body, headers={"content-type": content_type})
 
+    async def flush_cache(self, request: Request) -> Response:
+        """POST /admin/flush_cache: drop every prefix-cache entry (admin key when keys are on)."""
+        if not self.keys.is_admin(request.headers.get("authorization")):
+            return self._unauthorized("the admin key")
+        freed = self.engine.flush_cache()
+        log.info("prefix cache flushed by an admin: %s", freed)
+        return self.json({"flushed": True, "pages_freed": freed})
+
 
 def _check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -381,6 +392,7 @@ def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]
         Route("/health", api.health, methods=["GET"]),
         Route("/ready", api.ready, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/admin/flush_cache", api.flush_cache, methods=["POST"]),
     ]
     return Starlette(routes=routes, middleware=[Middleware(EchoRequestId)],
                      exception_handlers={HTTPException: http_exception_handler, Exception: server_error_handler})

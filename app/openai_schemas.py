@@ -22,7 +22,8 @@ from msgspec import UNSET, Struct, UnsetType
 from kvfence.scheduler.errors import RequestError
 
 FORBIDDEN_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                    "page_ids", "lease", "transfer_id")
+                    "page_ids", "lease", "transfer_id", "tenant", "tenant_id", "cache_key", "block_hashes")
+MAX_CACHE_SALT_CHARS = 256
 
 # Fields kvfence does not implement, each with the values that change nothing (null always counts
 # as absent). Any other value is refused with a 400 naming the field. A value matches only if it
@@ -99,6 +100,9 @@ class _RequestBase(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     user: str | None = None
+    # partitions this tenant's prefix cache further (as vLLM's `cache_salt`); it can never reach
+    # another tenant's cache: the tenant comes from the API key
+    cache_salt: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -150,6 +154,10 @@ class _RequestBase(Struct, kw_only=True):
     page_ids: Any = UNSET
     lease: Any = UNSET
     transfer_id: Any = UNSET
+    tenant: Any = UNSET
+    tenant_id: Any = UNSET
+    cache_key: Any = UNSET
+    block_hashes: Any = UNSET
 
 
 class ChatCompletionRequest(_RequestBase, kw_only=True):
@@ -173,8 +181,8 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         top_level = getattr(req, field) is not UNSET
         if top_level or (req.extra_body is not None and field in req.extra_body):
             raise invalid(field if top_level else f"extra_body.{field}",
-                          f"'{field}' is not accepted in a request body: the server alone chooses peers, "
-                          "KV pages and transports. Remove the field.", "forbidden_parameter")
+                          f"'{field}' is not accepted in a request body: the server alone chooses tenants (from "
+                          "the API key), cache keys, peers, KV pages and transports. Remove the field.", "forbidden_parameter")
     for field, no_ops in UNSUPPORTED_FIELDS.items():
         value = getattr(req, field)
         if value is not UNSET and value is not None and not any(_same(value, v) for v in no_ops):
@@ -182,6 +190,9 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise invalid(field, f"'{field}' is not supported by this server; leave it out{default} "
                                  f"(got {_show(value)})", "unsupported_value")
     _check_bounds(req)
+    if req.cache_salt is not None and len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise invalid("cache_salt", f"cache_salt is at most {MAX_CACHE_SALT_CHARS} characters, got "
+                                    f"{len(req.cache_salt)}")
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None \
             and req.max_completion_tokens < 1:
         raise invalid("max_completion_tokens", f"max_completion_tokens must be at least 1, "
@@ -277,10 +288,15 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 # Responses.
 
 
+class PromptTokensDetails(Struct, kw_only=True):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(Struct, kw_only=True):

@@ -20,6 +20,7 @@ from anyio.abc import TaskGroup
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.scheduler.transfer import TransferLink
+from kvfence.scheduler.prefix_cache import BLOCK_HASH_SCHEME
 from kvfence.transports.base import PairingRecord, PairingRefused, Transport
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
@@ -36,7 +37,8 @@ def role_record(pool: KVPool, model_id: str, context_tokens: int) -> PairingReco
     return PairingRecord(
         model=model_id, dtype=str(pool.dtype).removeprefix("torch."), page_size_tokens=pool.page_size_tokens,
         page_nbytes=pool.page_nbytes, page_layout=PAGE_LAYOUT, digest=DIGEST,
-        max_context_tokens=min(context_tokens, pool.capacity_tokens), incarnation=id_hex(mint_id()))
+        max_context_tokens=min(context_tokens, pool.capacity_tokens), incarnation=id_hex(mint_id()),
+        block_hash=BLOCK_HASH_SCHEME)
 
 
 @dataclasses.dataclass

@@ -50,8 +50,12 @@ class ServingEngine:
     def max_context_tokens(self) -> int:
         return self.scheduler.max_context_tokens
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant) -> RequestHandle:
-        return self.scheduler.submit(prompt_token_ids, sampling, tenant)
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant,
+               cache_salt: str = "") -> RequestHandle:
+        return self.scheduler.submit(prompt_token_ids, sampling, tenant, cache_salt)
+
+    def flush_cache(self) -> dict[str, int]:
+        return self.scheduler.flush_cache()
 
     def is_ready(self) -> bool:
         return self.canary.passed and not self.scheduler.draining

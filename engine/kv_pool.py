@@ -80,6 +80,17 @@ class KVPool:
         idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
         self.owner_tags[idx] = torch.tensor(lease_tag(lease), dtype=torch.int64, device=self.device)
 
+    def seal(self, pages: list[int], lease: int, seal: int) -> list[int]:
+        """Re-tag those of `pages` that `lease` owns with `seal` (read-only, shared within a
+        tenant); returns the pages it refused because another lease's (or no) tag is on them: they
+        keep that tag, so every read of them still fails the owner-tag check."""
+        if seal == 0:
+            raise ValueError("seal 0 is reserved for free pages")
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        mine = (self.owner_tags.index_select(0, idx) == torch.tensor(lease_tag(lease), device=self.device)).all(dim=1)
+        self.owner_tags[idx[mine]] = torch.tensor(lease_tag(seal), dtype=torch.int64, device=self.device)
+        return [p for p, ok in zip(pages, mine.tolist()) if not ok]
+
     def clear(self, pages: list[int], scrub: str = "off") -> None:
         """Mark `pages` free (tag 0) and scrub their contents: "poison" fills them with POISON_VALUE,
         so attention that reads a slot nobody wrote since is dominated by it and the output visibly

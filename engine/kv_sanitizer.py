@@ -6,7 +6,10 @@ against the reading lease. So it also catches what tags cannot: a slot of one's 
 never written since the page changed hands (a stale read of another tenant's bytes), a decode that
 starts before the transfer of its prompt landed, a transfer that wrote fewer tokens than it
 claimed. A slot becomes written when the model stores K/V into it, or when a verified transfer
-lands in it; releasing a page unwrites all its slots.
+lands in it; releasing a page unwrites all its slots. Sealing a page (the prefix cache shares it
+read-only within a tenant) hands its slots from the lease that wrote them to the tenant's seal;
+a slot that lease did not write becomes unwritten, so nobody can read it. A sequence may read a
+slot its own lease wrote, or one sealed with its own seal.
 
 It is a debugging and testing aid (`--kv-sanitizer`, on in the test suite), not a second
 enforcement layer: it costs one gather and compare over every context slot per step. A violation
@@ -30,6 +33,7 @@ class _Step(Protocol):
     context_tokens: int
     page_table: list[int]
     lease: int
+    seal: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +72,17 @@ class KvSanitizer:
         hi, lo = lease_tag(lease)
         self._hi[slots], self._lo[slots] = hi, lo
 
+    def seal(self, lease: int, seal: int, pages: Sequence[int]) -> None:
+        """`pages`, filled by `lease`, are sealed with `seal`: its slots now read as the seal's; any
+        slot `lease` did not write becomes unwritten."""
+        hi, lo = lease_tag(lease)
+        seal_hi, seal_lo = lease_tag(seal)
+        for page in pages:
+            span = slice(page * self.page_size_tokens, (page + 1) * self.page_size_tokens)
+            mine = (self._hi[span] == hi) & (self._lo[span] == lo)
+            self._hi[span] = np.where(mine, seal_hi, 0)
+            self._lo[span] = np.where(mine, seal_lo, 0)
+
     def forget(self, pages: Sequence[int]) -> None:
         """`pages` were released: nobody's bytes are in them any more."""
         for page in pages:
@@ -75,15 +90,20 @@ class KvSanitizer:
             self._hi[span], self._lo[span] = 0, 0
 
     def check_reads(self, works: Sequence[_Step]) -> list[SlotViolation]:
-        """The first slot, per work, that its step would read (its cached context) and that its own
-        lease did not write; [] when every read is of the reader's own writes."""
+        """The first slot, per work, that its step would read (its cached context) and that neither
+        its own lease wrote nor is sealed with its seal; [] when every read is allowed."""
         violations: list[SlotViolation] = []
         for i, w in enumerate(works):
             if not w.context_tokens:
                 continue
             slots = self._slots(w.page_table, 0, w.context_tokens)
             hi, lo = lease_tag(w.lease)
-            bad = np.flatnonzero((self._hi[slots] != hi) | (self._lo[slots] != lo))
+            found_hi, found_lo = self._hi[slots], self._lo[slots]
+            bad_mask = (found_hi != hi) | (found_lo != lo)
+            if w.seal:
+                seal_hi, seal_lo = lease_tag(w.seal)
+                bad_mask &= (found_hi != seal_hi) | (found_lo != seal_lo)
+            bad = np.flatnonzero(bad_mask)
             if bad.size:
                 position = int(bad[0])
                 slot = int(slots[position])

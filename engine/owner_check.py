@@ -1,9 +1,15 @@
-"""The owner-tag check: a sequence reads and writes only pages tagged with its own lease.
+"""The owner-tag check: a sequence writes only pages tagged with its own lease, and reads only
+those and pages sealed with its tenant's seal.
 
 Run by the runner before every forward, over every page each sequence's step will touch (the
-pages holding its cached context and the ones its new tokens land in). A sequence with any
-mismatching page is taken out of the step before anything is read: it produces no token, and the
-caller fails it closed. The check is one gather and one compare per step, whatever the batch.
+pages holding its cached context and the ones its new tokens land in). The rule, per page:
+- a page the step writes (from the one holding its first new token on) must carry the lease;
+- a page it only reads must carry the lease, or be sealed with the sequence's seal (read-only
+  prompt KV shared within its tenant by the prefix cache; `seal` 0: none).
+So a write into a sealed page, or a read of another tenant's sealed page, is a violation. A
+sequence with any mismatching page is taken out of the step before anything is read: it produces
+no token, and the caller fails it closed. The check is one gather and two compares per step,
+whatever the batch.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class _Reader(Protocol):
     context_tokens: int
     page_table: list[int]
     lease: int
+    seal: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,16 +48,20 @@ def check_owner_tags(pool: KVPool, works: Sequence[_Reader]) -> list[OwnerViolat
     page_size = pool.page_size_tokens
     pages: list[int] = []
     expected: list[tuple[int, int]] = []
+    also: list[tuple[int, int]] = []  # what a page may carry instead: the seal, for pages only read
     counts: list[int] = []
     for w in works:
         n = -(-(w.context_tokens + len(w.token_ids)) // page_size)
+        read_only = min(w.context_tokens // page_size, n) if w.seal else 0
+        own = lease_tag(w.lease)
         pages.extend(w.page_table[:n])
-        expected.extend([lease_tag(w.lease)] * n)
+        expected.extend([own] * n)
+        also.extend([lease_tag(w.seal)] * read_only + [own] * (n - read_only))
         counts.append(n)
     index = torch.tensor(pages, dtype=torch.int64, device=pool.device)
     found = pool.owner_tags.index_select(0, index)  # [P, 2]
-    want = torch.tensor(expected, dtype=torch.int64, device=pool.device)  # [P, 2]
-    bad = (found != want).any(dim=1)
+    want = torch.tensor([expected, also], dtype=torch.int64, device=pool.device)  # [2, P, 2]
+    bad = ((found != want[0]).any(dim=1) & (found != want[1]).any(dim=1))
     if not bool(bad.any()):
         return []
     violations: list[OwnerViolation] = []

@@ -43,6 +43,9 @@ class SeqStep(msgspec.Struct, frozen=True):
     new_pages: list[int]  # appended to the lease's page table before the step runs
     sampling: SamplingSpec | None  # None: an intermediate prefill chunk
     output_index: int = 0
+    # The seal tag of the sequence's tenant: it may also read (never write) pages sealed with it,
+    # shared read-only from the prefix cache. 0: it reads only its own pages.
+    seal: int = 0
 
 
 class PageGrant(msgspec.Struct, frozen=True):
@@ -51,16 +54,28 @@ class PageGrant(msgspec.Struct, frozen=True):
 
 
 class Landing(msgspec.Struct, frozen=True):
-    """A verified transfer wrote token positions [0, num_tokens) of `lease` through `pages`."""
+    """A verified transfer wrote token positions [first_token, num_tokens) of `lease`, whose page
+    table is `pages` (positions before `first_token` are pages it shares from the cache)."""
 
     lease: int
     pages: list[int]
     num_tokens: int
+    first_token: int = 0
+
+
+class Seal(msgspec.Struct, frozen=True):
+    """`pages`, which `lease` filled, become sealed: read-only, tagged `seal` (its tenant's), and
+    readable by every sequence carrying that seal. The sanitizer keeps a slot only if `lease` wrote it."""
+
+    lease: int
+    seal: int
+    pages: list[int]
 
 
 class RunStep(msgspec.Struct, frozen=True, tag="run_step"):
-    """Untag `released`, tag `grants` with their leases, note `landed` transfers, forget the page
-    tables of `ended` leases, extend the tables of `seqs`, then run one forward over `seqs`."""
+    """Untag `released`, tag `grants` with their leases, note `landed` transfers, seal `sealed`
+    pages, forget the page tables of `ended` leases, extend the tables of `seqs`, then run one
+    forward over `seqs`."""
 
     step_id: int
     seqs: list[SeqStep]
@@ -68,6 +83,7 @@ class RunStep(msgspec.Struct, frozen=True, tag="run_step"):
     released: list[int] = []
     landed: list[Landing] = []
     ended: list[int] = []  # leases that will never step again
+    sealed: list[Seal] = []
     # The worker incarnation this step was built for; a worker that is another incarnation refuses
     # the whole message before applying any of it. "" (not known yet): no check.
     incarnation: str = ""

@@ -29,6 +29,7 @@ class SeqWork:
     lease: int  # the lease these pages must be tagged with; checked before anything is read
     sampling: SamplingParams | None  # None: an intermediate prefill chunk, nothing sampled
     output_index: int = 0  # index of the token to sample within the output (seeds the noise)
+    seal: int = 0  # its tenant's seal: it may also read (never write) pages sealed with it
 
     @property
     def is_decode(self) -> bool:

@@ -87,7 +87,15 @@ class Worker:
             if cmd.released:
                 self.sanitizer.forget(cmd.released)
             for landing in cmd.landed:
-                self.sanitizer.record_write(landing.lease, landing.pages, 0, landing.num_tokens)
+                self.sanitizer.record_write(landing.lease, landing.pages, landing.first_token,
+                                            landing.num_tokens - landing.first_token)
+        for seal in cmd.sealed:  # after the landings: a seal is checked against who wrote the page
+            refused = self.pool.seal(seal.pages, seal.lease, seal.seal)
+            if refused:
+                log.error("%s worker: pages %s to be sealed are not tagged with lease %s; they keep their tags, so "
+                          "every read of them fails closed", self.role, refused, id_hex(seal.lease))
+            if self.sanitizer is not None:
+                self.sanitizer.seal(seal.lease, seal.seal, seal.pages)
 
     def _run_step(self, cmd: RunStep, return_logits: bool) -> tuple[WorkerReply, torch.Tensor | None]:
         """Apply the message's tag and page-table changes, then run its forward. Contract with the
@@ -103,7 +111,7 @@ class Worker:
         if not cmd.seqs:
             return StepDone(cmd.step_id, [], incarnation=self.incarnation), None
         works = [SeqWork(s.token_ids, s.context_tokens, self.page_tables.extend(s.lease, s.new_pages), s.lease,
-                         s.sampling.params() if s.sampling is not None else None, s.output_index)
+                         s.sampling.params() if s.sampling is not None else None, s.output_index, s.seal)
                  for s in cmd.seqs]
         with torch.inference_mode():
             result = self.runner.step(works, return_logits)

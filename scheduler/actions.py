@@ -24,8 +24,11 @@ class SendStep:
 
 @dataclasses.dataclass(frozen=True)
 class StartTransfer:
-    """Move the KV of `num_tokens` tokens from `src_pages` of `src_lease` (prefill pool) into
-    `dst_pages` of `dst_lease` (decode pool); the outcome comes back as `transfer_finished(key, ...)`."""
+    """Move the KV of token positions [first_token, num_tokens) from the prefill pool into the
+    decode pool, page `src_pages[i]` of `src_lease` into page `dst_pages[i]` of `dst_lease`: the
+    explicit plan. Positions before `first_token` are pages the decode lease already shares from
+    its pool's prefix cache, so nothing moves into them. The outcome comes back as
+    `transfer_finished(key, ...)`."""
 
     key: int
     request_id: str
@@ -34,6 +37,18 @@ class StartTransfer:
     src_pages: list[int]
     dst_lease: int
     dst_pages: list[int]
+    first_token: int = 0
+
+    def plan_error(self, page_size_tokens: int) -> str | None:
+        """Why the plan does not add up (pages per side against the tokens it moves), or None."""
+        moved = self.num_tokens - self.first_token
+        want = -(-moved // page_size_tokens)
+        if self.first_token % page_size_tokens or moved <= 0:
+            return f"transfer plan: tokens [{self.first_token}, {self.num_tokens}) do not start a page"
+        if len(self.src_pages) != want or len(self.dst_pages) != want:
+            return (f"transfer plan: {len(self.src_pages)} source and {len(self.dst_pages)} destination pages "
+                    f"for {moved} tokens ({want} pages of {page_size_tokens})")
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,11 @@ class SchedulerSettings(Settings):
     transfer_timeout_s: float = setting(30.0, "seconds a KV transfer may take before it fails (its pages are "
                                               "quarantined)", above=0)
     heartbeat_s: float = setting(1.0, "seconds between asking each worker for its incarnation", above=0)
+    prefix_cache: bool = setting(True, "keep full prompt pages cached after a request, shared read-only with later "
+                                       "requests of the same tenant (never across tenants)")
+    unsafe_cache_across_tenants: bool = setting(
+        False, "TESTING ONLY, never in production: a deliberately broken guard that keys and seals the prefix cache "
+               "without the tenant, so one tenant's cached prompt serves another's (what `kvfence probe` must catch)")
 
     def chunk_tokens_for(self, device_type: str) -> int:
         """Prefill tokens per step: --chunk-tokens, else the default for the prefill worker's device."""

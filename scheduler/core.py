@@ -44,6 +44,7 @@ from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
 from kvfence.scheduler.policy import decode_steps, prefill_chunks
 from kvfence.scheduler.preemption import Preemption
+from kvfence.scheduler.prefix_cache import chain_root
 from kvfence.scheduler.reservation import Reservation
 from kvfence.scheduler.request import Request, State, client_closed
 from kvfence.scheduler.tenants import ANONYMOUS, Tenant, TenantLoads
@@ -78,6 +79,10 @@ class SchedulerCore(Reservation, Preemption):
         self._step_id = 0
         self._transfer_keys = 0
         self._tenants = TenantLoads()
+        self._seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
+        if config.unsafe_cache_across_tenants:
+            log.error("UNSAFE: the prefix cache is shared across tenants (unsafe_cache_across_tenants, a broken guard "
+                      "for testing the prober); never run this in production")
 
     # ---- queries ----
 
@@ -100,20 +105,26 @@ class SchedulerCore(Reservation, Preemption):
         return len(self._live)
 
     def pages_in_use(self) -> dict[str, int]:
-        """Pages held per worker (the baseline is 0 when idle; quarantined pages count as held)."""
-        return {w.name: w.ledger.num_used for w in self.workers}
+        """Pages held per worker by leases and quarantines (the baseline is 0 when idle, whatever
+        the prefix cache holds: `pages_cached`)."""
+        return {w.name: w.ledger.num_in_use for w in self.workers}
+
+    def pages_cached(self) -> dict[str, int]:
+        """Pages per worker that only the prefix cache holds (evicted when a reservation needs them)."""
+        return {w.name: w.ledger.num_cached_idle for w in self.workers}
 
     def report_metrics(self, now: float) -> None:
         for w in self.workers:
-            quarantined, since = w.ledger.num_quarantined, w.ledger.quarantined_since
-            self.metrics.pool(w.name, w.ledger.num_pages, w.ledger.num_used - quarantined, quarantined,
-                              0.0 if since is None else now - since)
+            ledger = w.ledger
+            quarantined, since = ledger.num_quarantined, ledger.quarantined_since
+            self.metrics.pool(w.name, ledger.num_pages, ledger.num_in_use - quarantined, quarantined,
+                              ledger.num_cached_idle, 0.0 if since is None else now - since)
         self.metrics.queue_sizes(len(self.queue), self.num_running())
 
     # ---- events ----
 
     def submit(self, prompt: list[int], params: SamplingParams, now: float, *, priority: bool = False,
-               tenant: Tenant = ANONYMOUS) -> Request:
+               tenant: Tenant = ANONYMOUS, cache_salt: str = "") -> Request:
         """Admit or raise AdmissionRejected; nothing is reserved for a rejected request.
 
         `tenant`: who it is for (from the authenticated key); its limits hold here: over its
@@ -121,7 +132,10 @@ class SchedulerCore(Reservation, Preemption):
         `max_running`, it waits while other tenants' requests behind it start.
         `priority`: a server-internal request (the readiness canary; the HTTP API never sets it),
         ahead of every queued one: no queue, running-slot or tenant limit applies, and when the
-        decode pool is full the newest running request is preempted to make room for it."""
+        decode pool is full the newest running request is preempted to make room for it; it is
+        never cached (the canary runs the whole path every time).
+        `cache_salt`: partitions the prefix cache further within the tenant (never across tenants:
+        the chain is rooted in the tenant's name and its pages carry the tenant's seal)."""
         max_tokens = self.admissible(prompt, params, now)
         load = self._tenants.of(tenant, now)
         refusal = None if priority else self._tenants.refusal(load, now)
@@ -137,6 +151,9 @@ class SchedulerCore(Reservation, Preemption):
         req = Request(id_hex(self.mint()), list(prompt), params, max_tokens,
                       TextOutput(self.tokenizer, prompt, params, max_tokens), now, tokens=list(prompt),
                       prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name)
+        if self.config.prefix_cache and not priority:
+            scope = "*" if self.config.unsafe_cache_across_tenants else tenant.name  # "*": not a tenant name
+            req.cache_root, req.seal = chain_root(scope, cache_salt), self._seal_of(scope)
         self._live[req.request_id] = req
         load.queued += 1
         load.spend(len(prompt), now)
@@ -161,6 +178,20 @@ class SchedulerCore(Reservation, Preemption):
             self.metrics.rejected("draining")
             raise overloaded("the server is shutting down; retry on another replica", retry_after_s=5)
         return max_tokens
+
+    def _seal_of(self, tenant: str) -> int:
+        seal = self._seals.get(tenant)
+        if seal is None:
+            seal = self._seals[tenant] = self.mint()
+        return seal
+
+    def flush_cache(self, now: float) -> dict[str, int]:
+        """Drop every prefix-cache entry of every pool; pages only the cache held are freed now
+        (returned per worker), pages requests still read when those requests let go."""
+        freed = {w.name: w.table.flush() for w in self.workers}
+        log.info("prefix cache flushed: %s pages freed", ", ".join(f"{n} {name}" for name, n in freed.items()))
+        self._schedule(now)
+        return freed
 
     def abort(self, request_id: str, now: float, error: RequestError | None = None) -> None:
         """End a request (the client went away, unless `error` says otherwise); its pages come
@@ -189,6 +220,7 @@ class SchedulerCore(Reservation, Preemption):
                 if req.state.terminal or seq.lease != req.prefill_lease:  # ended, or a later attempt
                     continue
                 req.prefilled += len(seq.token_ids)
+                self.metrics.prefill(req, len(seq.token_ids))
                 if token is not None:
                     self._prefilled(req, token, now)
         self._schedule(now)
@@ -220,7 +252,9 @@ class SchedulerCore(Reservation, Preemption):
             log.warning("request %s: KV transfer failed (%s)", req.request_id, result.reason)
             self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"), now)
         else:
-            self.decode.table.land(req.decode_lease, req.decode_pages, req.prefill_target)
+            first = req.shared_decode * self.config.page_size_tokens
+            self.decode.table.land(req.decode_lease, req.decode_pages, first, req.prefill_target)
+            self._seal(self.decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
             self._start_decoding(req, req.pending_token, now)
         self._schedule(now)
 
@@ -266,9 +300,16 @@ class SchedulerCore(Reservation, Preemption):
             if not req.transfer and self.decode.table.grant_applied(req.decode_lease):
                 self._transfer_keys += 1
                 req.transfer = self._transfer_keys
-                self._actions.append(StartTransfer(req.transfer, req.request_id, req.prefill_target, req.prefill_lease,
-                                                   list(req.prefill_pages), req.decode_lease, list(req.decode_pages)))
+                self._actions.append(self._transfer_plan(req))
         self.metrics.queue_sizes(len(self.queue), self.num_running())
+
+    def _transfer_plan(self, req: Request) -> StartTransfer:
+        """Move what the decode pool does not already hold: from the first page past its cache hit
+        to the last page of the prompt, page i of one page table into page i of the other."""
+        first, end = req.shared_decode, self.config.pages_for(req.prefill_target)
+        return StartTransfer(req.transfer, req.request_id, req.prefill_target, req.prefill_lease,
+                             req.prefill_pages[first:end], req.decode_lease, req.decode_pages[first:end],
+                             first_token=first * self.config.page_size_tokens)
 
     def _plan_step(self, w: WorkerBinding, now: float) -> None:
         """The next step of idle worker `w`: decode steps of the requests decoding on it (each
@@ -283,13 +324,14 @@ class SchedulerCore(Reservation, Preemption):
 
     def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
               seqs: list[SeqStep], now: float) -> None:
-        number, grants, released, landed, ended = w.table.take_pending()
+        pending = w.table.take_pending()
         self._step_id += 1
-        w.in_flight = Step(number, decodes, chunks, seqs)
+        w.in_flight = Step(pending.number, decodes, chunks, seqs)
         w.last_sent_s = now
         for req in w.in_flight.requests:
             req.stepping = True
-        message = RunStep(self._step_id, seqs, grants, released, landed, ended, w.incarnation)
+        message = RunStep(self._step_id, seqs, grants=pending.grants, released=pending.released,
+                          landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation)
         self._actions.append(SendStep(w.name, message))
 
     def _prefill_order(self) -> list[Request]:
@@ -341,7 +383,9 @@ class SchedulerCore(Reservation, Preemption):
             self._actions.append(Emit(req.request_id, delta))
 
     def _prefilled(self, req: Request, token: int, now: float) -> None:
-        """Its whole prompt is in the prefill pool and `token` is its next token."""
+        """Its whole prompt is in the prefill pool and `token` is its next token; the full pages it
+        filled are sealed into the pool's cache."""
+        self._seal(self.prefill, req, req.prefill_lease, req.prefill_pages, req.shared_prefill)
         if req.decode_lease == req.prefill_lease:  # one pool for both roles: the KV is where decode reads
             self._start_decoding(req, token, now)
             return
@@ -405,6 +449,7 @@ class SchedulerCore(Reservation, Preemption):
         log.warning("the %s worker restarted (now incarnation %s): %d requests bound to the old one fail with 503",
                     w.name, w.incarnation, len(bound))
         self.metrics.worker_restart(w.name)
+        w.table.flush()  # a restarted worker's pool is blank: nothing cached there holds KV any more
         for req in bound:
             if req.transfer:  # its pages are released when the transport is quiet
                 req.pending_end = error

@@ -80,9 +80,11 @@ class Scheduler:
     def draining(self, value: bool) -> None:
         self.core.draining = value
 
-    def submit(self, prompt: list[int], params: SamplingParams, tenant: Tenant = ANONYMOUS) -> RequestHandle:
-        """Admit for `tenant` or raise AdmissionRejected; nothing is reserved for a rejected request."""
-        return self._admit(self.core.submit(prompt, params, time.monotonic(), tenant=tenant))
+    def submit(self, prompt: list[int], params: SamplingParams, tenant: Tenant = ANONYMOUS,
+               cache_salt: str = "") -> RequestHandle:
+        """Admit for `tenant` or raise AdmissionRejected; nothing is reserved for a rejected request.
+        `cache_salt`: partitions the prefix cache within the tenant (SchedulerCore.submit)."""
+        return self._admit(self.core.submit(prompt, params, time.monotonic(), tenant=tenant, cache_salt=cache_salt))
 
     def submit_priority(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
         """Admit a server-internal request (the readiness canary) ahead of every queued one
@@ -94,6 +96,15 @@ class Scheduler:
 
     def pages_in_use(self) -> dict[str, int]:
         return self.core.pages_in_use()
+
+    def pages_cached(self) -> dict[str, int]:
+        return self.core.pages_cached()
+
+    def flush_cache(self) -> dict[str, int]:
+        """Drop the prefix cache of every pool (SchedulerCore.flush_cache); returns the pages freed per worker."""
+        freed = self.core.flush_cache(time.monotonic())
+        self._carry_out()
+        return freed
 
     def ledger(self, role: str) -> PageLedger:
         """The page ledger of the pool serving `role` ("prefill" or "decode"; one pool when colocated)."""
@@ -185,8 +196,7 @@ class Scheduler:
         try:
             if self.link is None:
                 raise RuntimeError("a transfer needs a transfer link")
-            result = await self.link.move(action.num_tokens, action.src_pages, action.dst_pages, action.dst_lease,
-                                          timeout_s=self.config.transfer_timeout_s)
+            result = await self.link.move(action, timeout_s=self.config.transfer_timeout_s)
         except Exception:  # a bug here must fail one request, not the server
             log.exception("request %s: transfer task failed", action.request_id)
             result, crashed = MoveResult(False, "the transfer task failed", quiet=False), True

@@ -2,25 +2,42 @@
 worker has yet to apply.
 
 One per pool (a colocated worker's pool serves both roles and has one table). It holds:
-- the page ledger (free, owned by a lease, or quarantined: scheduler/page_ledger.py);
+- the page ledger (free, owned by a lease, quarantined, or sealed in the prefix cache:
+  scheduler/page_ledger.py);
 - the pending tag operations, in the order the worker must apply them: releases (the worker
   untags and scrubs those pages), grants (it tags pages with their lease), landings (a verified
-  transfer wrote these pages: the KV sanitizer records the writer);
+  transfer wrote these pages: the KV sanitizer records the writer), seals (pages a lease filled
+  become read-only and tagged with its tenant's seal);
 - how much of each lease's page table the worker has been sent (it keeps the tables: a step
   sends only the pages a lease gained since its last step), and the leases it may forget;
 - a watermark of the messages the worker has applied. The worker runs its messages in the order
   they were built (one compute thread, first in first out), so an answer to message n means every
   message up to n was applied: `grant_applied` says whether a lease's pages carry its tag yet.
 
-Pages come back through one path: `release` (and `confirm_quiet`, which ends a quarantine) hands
-them to the ledger's free queue at once and to the worker, which untags and scrubs them at the
-start of its next message, before any grant in it. Plain Python: no I/O, no clock.
+Pages come back through one path: `release` (and `confirm_quiet`, which ends a quarantine, and
+eviction or a flush of cached pages) hands them to the ledger's free queue at once and to the
+worker, which untags and scrubs them at the start of its next message, before any grant in it.
+Plain Python: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from kvfence.engine.protocol import Landing, PageGrant
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvfence.engine.protocol import Landing, PageGrant, Seal
 from kvfence.scheduler.page_ledger import PageLedger
+
+
+class Pending(NamedTuple):
+    """The tag changes of the next message to a worker, in wire form."""
+
+    number: int  # the message's number (see `answered`)
+    grants: list[PageGrant]
+    released: list[int]
+    landed: list[Landing]
+    sealed: list[Seal]
+    ended: list[int]  # leases whose page tables the worker may forget
 
 
 class LeaseTable:
@@ -28,7 +45,8 @@ class LeaseTable:
         self.ledger = PageLedger(num_pages)
         self._grants: list[tuple[int, list[int]]] = []  # (lease, pages), not yet sent
         self._released: list[int] = []
-        self._landed: list[tuple[int, list[int], int]] = []  # (lease, pages, tokens)
+        self._landed: list[tuple[int, list[int], int, int]] = []  # (lease, page table, first token, tokens)
+        self._sealing: dict[int, tuple[int, int]] = {}  # page -> (lease that filled it, seal tag), not yet sent
         self._sent: dict[int, int] = {}  # lease -> pages of its table the worker was sent
         self._ended: list[int] = []  # leases whose tables the worker may forget, not yet sent
         self._built = 0  # messages built for the worker, in the order it runs them
@@ -38,18 +56,46 @@ class LeaseTable:
     @property
     def has_pending(self) -> bool:
         """Tag changes are waiting for the next message."""
-        return bool(self._grants or self._released or self._landed)
+        return bool(self._grants or self._released or self._landed or self._sealing)
 
     def reserve(self, lease: int, num_pages: int) -> list[int] | None:
-        """Hand `num_pages` more pages to `lease` and queue their grant; None if too few are free."""
+        """Hand `num_pages` more pages to `lease` and queue their grant, evicting idle cached pages
+        when too few are free; None (nothing changed) if even that is not enough."""
+        if not self.ledger.can_reserve(num_pages):
+            return None
+        self._freed(self.ledger.evict(num_pages - self.ledger.num_free))
         pages = self.ledger.reserve(lease, num_pages)
         if pages:
             self._grants.append((lease, pages))
         return pages
 
+    def share(self, lease: int, pages: Sequence[int]) -> None:
+        """`lease` reads these cached pages (a prefix hit); they stay sealed and are not granted."""
+        if pages:
+            self.ledger.share(lease, pages)
+
+    def seal(self, lease: int, seal_tag: int, pages: Sequence[int], keys: Sequence[bytes]) -> list[int]:
+        """Pages `lease` filled become sealed in the cache under `keys`, tagged `seal_tag` by the
+        worker in the next message; returns those sealed (a key already cached is skipped)."""
+        sealed = self.ledger.seal(lease, pages, keys)
+        for page in sealed:
+            self._sealing[page] = lease, seal_tag
+        return sealed
+
+    def flush(self) -> int:
+        """Drop every cache entry (pages still read stay sealed until released); returns the pages freed."""
+        freed = self.ledger.flush()
+        self._freed(freed)
+        return len(freed)
+
+    def _freed(self, pages: list[int]) -> None:
+        self._released.extend(pages)
+        for page in pages:
+            self._sealing.pop(page, None)
+
     def release(self, lease: int) -> None:
         if lease:
-            self._released.extend(self.ledger.release(lease))
+            self._freed(self.ledger.release(lease))
             self._end(lease)
 
     def quarantine(self, lease: int, now_s: float) -> list[int]:
@@ -74,26 +120,34 @@ class LeaseTable:
         """End the quarantine of `lease`: no write can still reach its pages. They go back through
         the release path. Returns them ([] if `lease` was not quarantined)."""
         pages = self.ledger.confirm_quiet(lease)
-        self._released.extend(pages)
+        self._freed(pages)
         return pages
 
-    def land(self, lease: int, pages: list[int], num_tokens: int) -> None:
-        """A verified transfer wrote token positions [0, num_tokens) of `lease` through `pages`."""
-        self._landed.append((lease, pages, num_tokens))
+    def land(self, lease: int, pages: list[int], first_token: int, num_tokens: int) -> None:
+        """A verified transfer wrote token positions [first_token, num_tokens) of `lease`, whose
+        page table is `pages`."""
+        self._landed.append((lease, list(pages), first_token, num_tokens))
 
-    def take_pending(self) -> tuple[int, list[PageGrant], list[int], list[Landing], list[int]]:
-        """The next message's number, its tag changes (releases, grants, landings) in wire form,
-        and the leases whose page tables the worker may forget. A grant or landing of a lease that ended before it was sent names pages that are no
-        longer its own: it is dropped rather than tag free pages with a dead lease."""
+    def take_pending(self) -> Pending:
+        """The next message's tag changes. A grant or landing of a lease that ended before it was
+        sent names pages that are no longer its own: it is dropped rather than tag free pages with a
+        dead lease (a landing is kept while pages it wrote wait to be sealed: the worker checks a
+        seal against who wrote the page)."""
         self._built += 1
         grants = [PageGrant(lease, pages) for lease, pages in self._grants if self.ledger.holds(lease)]
-        landed = [Landing(lease, pages, n) for lease, pages, n in self._landed if self.ledger.holds(lease)]
+        sealing = {lease for lease, _ in self._sealing.values()}
+        landed = [Landing(lease, pages, n, first) for lease, pages, first, n in self._landed
+                  if self.ledger.holds(lease) or lease in sealing]
         for lease, _ in self._grants:
             if self.ledger.holds(lease):
                 self._grant_message[lease] = self._built
-        released, ended = self._released, self._ended
-        self._grants, self._released, self._landed, self._ended = [], [], [], []
-        return self._built, grants, released, landed, ended
+        seals: dict[tuple[int, int], list[int]] = {}
+        for page, key in self._sealing.items():
+            seals.setdefault(key, []).append(page)
+        pending = Pending(self._built, grants, self._released, landed,
+                          [Seal(lease, tag, pages) for (lease, tag), pages in seals.items()], self._ended)
+        self._grants, self._released, self._landed, self._ended, self._sealing = [], [], [], [], {}
+        return pending
 
     def answered(self, number: int) -> None:
         """The worker answered message `number`: it is past it and every message before it."""

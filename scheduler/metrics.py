@@ -18,8 +18,11 @@ class SchedulerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvfence_requests", "Requests by tenant and final status", ["tenant", "status"],
                                 registry=r)
-        self.ttft = Histogram("kvfence_time_to_first_token_seconds", "Time to first token",
+        self.ttft = Histogram("kvfence_time_to_first_token_seconds", "Time to first token, by tenant", ["tenant"],
                               buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.prefilled = Counter("kvfence_prefill_tokens", "Prompt tokens the prefill computed, by tenant (the "
+                                 "prompt tokens less those served from the prefix cache, plus recomputation after "
+                                 "a preemption): what a first token's latency is made of", ["tenant"], registry=r)
         self.itl = Histogram("kvfence_inter_token_latency_seconds", "Time between output tokens",
                              buckets=_LATENCY_BUCKETS_S, registry=r)
         self.e2e = Histogram("kvfence_e2e_request_latency_seconds", "Admission to last token",
@@ -67,15 +70,20 @@ class SchedulerMetrics:
     def token(self, req: Request, now: float) -> None:
         if req.first_token_s is None:
             req.first_token_s = now
-            self.ttft.observe(now - req.created_s)
+            self.ttft.labels(req.tenant).observe(now - req.created_s)
         elif req.last_token_s is not None:
             self.itl.observe(now - req.last_token_s)
         req.last_token_s = now
         self.tokens.labels(req.tenant, "completion").inc()
 
+    def prefill(self, req: Request, num_tokens: int) -> None:
+        self.prefilled.labels(req.tenant).inc(num_tokens)
+
     def finished(self, req: Request, now: float) -> None:
         self.requests.labels(req.tenant, req.state.value if req.finish_reason is None else req.finish_reason).inc()
         self.tokens.labels(req.tenant, "prompt").inc(len(req.prompt))
+        if req.cached_tokens:
+            self.tokens.labels(req.tenant, "cached").inc(req.cached_tokens)
         self.e2e.observe(now - req.created_s)
 
     def transfer(self, ok: bool, nbytes: int, handoff_s: float) -> None:
@@ -85,11 +93,15 @@ class SchedulerMetrics:
             self.transfer_bytes.inc(nbytes)
             self.handoff.observe(handoff_s)
 
-    def pool(self, role: str, total: int, used: int, quarantined: int = 0, quarantine_age_s: float = 0.0) -> None:
+    def pool(self, role: str, total: int, used: int, quarantined: int = 0, cached: int = 0,
+             quarantine_age_s: float = 0.0) -> None:
+        """`used`: pages leases hold (sealed ones they share included); `cached`: pages only the
+        prefix cache holds (evictable)."""
         self.pages.labels(role, "total").set(total)
         self.pages.labels(role, "in_use").set(used)
-        self.pages.labels(role, "free").set(total - used - quarantined)
+        self.pages.labels(role, "free").set(total - used - quarantined - cached)
         self.pages.labels(role, "quarantined").set(quarantined)
+        self.pages.labels(role, "cached").set(cached)
         self.quarantine_age.labels(role).set(quarantine_age_s)
 
     def render(self) -> tuple[bytes, str]:

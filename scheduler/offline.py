@@ -98,6 +98,17 @@ class OfflineEngine:
         return [GenerationOutput(list(prompt), tokens[i], texts[i], reasons[i] or "length",
                                  torch.stack(logits[i]) if logits[i] else None) for i, prompt in enumerate(prompts)]
 
+    def flush_cache(self) -> int:
+        """Drop the prefix cache (SchedulerCore.flush_cache) and hand the freed pages back to the
+        worker at once; returns how many were freed."""
+        now = time.monotonic()
+        freed = sum(self.core.flush_cache(now).values())
+        while actions := self.core.take_actions():
+            for action in actions:
+                if isinstance(action, SendStep):
+                    self._run(action, False, {}, [], now)
+        return freed
+
     def _run(self, action: SendStep, return_logits: bool, index: dict[str, int],
              logits: list[list[torch.Tensor]], now: float) -> None:
         step = self.core.prefill.in_flight

@@ -21,12 +21,14 @@ from kvfence.scheduler.errors import RequestError
 @dataclasses.dataclass(frozen=True)
 class OutputDelta:
     """New output of one request. The last delta has `finish_reason` set ("stop" or "length"),
-    or `error` set when the request failed after admission (never both)."""
+    or `error` set when the request failed after admission (never both); the last successful
+    one also says how many prompt tokens came from the prefix cache."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     error: RequestError | None = None
+    cached_tokens: int = 0
 
     @property
     def terminal(self) -> bool:

@@ -14,7 +14,7 @@ def decode_steps(requests: list[Request], table: LeaseTable) -> list[SeqStep]:
     """One step per decoding request: feed its last token, which lands at position len(tokens) - 1.
     `table`: the decode pool's, which knows what of each page table its worker already has."""
     return [SeqStep(r.decode_lease, [r.tokens[-1]], len(r.tokens) - 1, table.new_pages(r.decode_lease, r.decode_pages),
-                    SamplingSpec.of(r.params), r.num_generated) for r in requests]
+                    SamplingSpec.of(r.params), r.num_generated, r.seal) for r in requests]
 
 
 def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTable) -> list[tuple[Request, SeqStep]]:
@@ -34,7 +34,7 @@ def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTabl
         last = req.prefilled + n == req.prefill_target
         out.append((req, SeqStep(req.prefill_lease, req.tokens[req.prefilled: req.prefilled + n],
                                  req.prefilled, table.new_pages(req.prefill_lease, req.prefill_pages),
-                                 SamplingSpec.of(req.params) if last else None, req.num_generated)))
+                                 SamplingSpec.of(req.params) if last else None, req.num_generated, req.seal)))
         budget_tokens -= n
     return out
 

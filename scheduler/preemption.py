@@ -82,7 +82,7 @@ class Preemption:
             if victim is not None:
                 self._preempt(victim, now)
                 continue
-            held_by_others = table.ledger.num_used - table.ledger.num_quarantined - len(req.decode_pages)
+            held_by_others = table.ledger.num_in_use - table.ledger.num_quarantined - len(req.decode_pages)
             if held_by_others <= 0:  # only quarantined pages stand in its way: no page may ever come
                 refusal = quarantine_refusal([(self.decode.name, table.ledger, len(req.decode_pages) + short)], now)
                 if refusal is not None:

@@ -83,6 +83,16 @@ class Request:
     arrival: int = 0  # admission order: the newest running request is the one preempted
     priority: bool = False  # a server-internal request (the readiness canary): ahead of the queue
     tenant: str = "anonymous"  # the authenticated tenant (scheduler/tenants.py); its leases are its own
+    # The prefix cache (scheduler/prefix_cache.py): the root of its chain of keys (None: not cached),
+    # the seal of its tenant, the keys of the current attempt (for `keys_for` tokens), how many pages
+    # of each page table it shares from the cache, and the prompt tokens its first attempt found cached.
+    cache_root: bytes | None = None
+    seal: int = 0
+    cache_keys: list[bytes] = dataclasses.field(default_factory=list)
+    keys_for: int = -1
+    shared_prefill: int = 0
+    shared_decode: int = 0
+    cached_tokens: int = 0
     preemptions: int = 0
     queued_s: float = 0.0  # when it last joined the queue
     first_token_s: float | None = None
@@ -107,7 +117,7 @@ class Request:
         self.advance(State.WAITING)
         self.preemptions += 1
         self.prefill_target = len(self.tokens)
-        self.prefilled = self.decoded_context = 0
+        self.prefilled = self.decoded_context = self.shared_prefill = self.shared_decode = 0
         self.prefill_pages, self.decode_pages = [], []
         self.queued_s = now_s
 
@@ -118,7 +128,7 @@ class Request:
             return None
         self.state = State.FINISHED
         self.finish_reason = last.finish_reason
-        return last
+        return dataclasses.replace(last, cached_tokens=self.cached_tokens)
 
     def fail(self, error: RequestError) -> OutputDelta | None:
         """End with an error: ABORTED for a client-initiated end (`client_closed`), else FAILED.

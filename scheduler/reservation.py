@@ -1,10 +1,18 @@
 """Which pages each request holds, in every pool it uses: reservation at admission (in queue
-order, within the running-slot limit and a page of headroom per running request), release, and
-quarantine and its end. Part of the scheduler core (no I/O, no clock: the time is passed in).
+order, within the running-slot limit and a page of headroom per running request), the prefix
+cache (hits at reservation, sealing once pages are filled), release, and quarantine and its end.
+Part of the scheduler core (no I/O, no clock: the time is passed in).
 
 A pool bound to both roles (colocated) gives a request one lease and one page list for both; two
 pools give it one lease in each. Every reservation is a grant queued in that pool's lease table,
 carried to the worker by its next message.
+
+The prefix cache, per pool: a request's page table starts with the longest run of cached pages
+its keys find there (scheduler/prefix_cache.py: a chain over its full pages, rooted in its
+tenant), shared read-only by reference; it prefills only the rest (the prefill pool's hit), and
+its transfer moves only the pages the decode pool does not hold (the decode pool's hit). Once its
+prefill is done (prefill pool) or its KV has landed (decode pool), the full pages it filled are
+sealed into that pool's cache for later requests of the same tenant.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import TYPE_CHECKING
 from kvfence.scheduler.admission import Refusal, quarantine_refusal
 from kvfence.scheduler.errors import RequestError
 from kvfence.scheduler.lease_table import LeaseTable
+from kvfence.scheduler.prefix_cache import block_keys, reusable_blocks, sealable_blocks
 from kvfence.engine.ids import id_hex
 from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.worker_binding import WorkerBinding
@@ -57,8 +66,13 @@ class Reservation:
         needs[self.decode] = max(needs.get(self.decode, 0), decode_pages)
         return needs
 
-    def _can_reserve(self, num_tokens: int, headroom_pages: int = 0) -> bool:
-        return all(w.ledger.can_reserve(n + (headroom_pages if w is self.decode else 0))
+    def _can_reserve(self, num_tokens: int, headroom_pages: int = 0,
+                     hits: dict[WorkerBinding, list[int]] | None = None) -> bool:
+        """The pages an attempt of `num_tokens` needs are free or evictable in every pool, with
+        `headroom_pages` more in the decode pool; `hits`: cached pages it will share instead, per pool."""
+        hits = hits or {}
+        return all(w.ledger.can_reserve(n - len(hits.get(w, ())) + (headroom_pages if w is self.decode else 0),
+                                        pinned=hits.get(w, ()))
                    for w, n in self._needs(num_tokens).items())
 
     def _quarantine_refusal(self, prompt_tokens: int, prefill_tokens: int, max_tokens: int, now: float) -> Refusal | None:
@@ -92,18 +106,47 @@ class Reservation:
             running = self.num_running()
             if not req.priority and running >= self.config.max_running:
                 return
-            if not self._can_reserve(req.prefill_target, 0 if req.priority else running):
+            hits = self._cache_hits(req)
+            if not self._can_reserve(req.prefill_target, 0 if req.priority else running, hits):
                 return
             leases: dict[WorkerBinding, tuple[int, list[int]]] = {}
             for w, n in self._needs(req.prefill_target).items():
-                lease = self.mint()
-                pages = w.table.reserve(lease, n)
+                lease, shared = self.mint(), hits.get(w, [])
+                w.table.share(lease, shared)  # first: a hit is never evicted for the pages below
+                pages = w.table.reserve(lease, n - len(shared))
                 if pages is None:  # _can_reserve said yes a moment ago
                     raise RuntimeError("ledger refused a reservation it had just allowed")
-                leases[w] = lease, pages
+                leases[w] = lease, shared + pages
             (req.prefill_lease, req.prefill_pages), (req.decode_lease, req.decode_pages) = \
                 leases[self.prefill], leases[self.decode]  # one pool for both roles: one lease, one page list
+            req.shared_prefill, req.shared_decode = len(hits.get(self.prefill, ())), len(hits.get(self.decode, ()))
+            req.prefilled = req.shared_prefill * self.config.page_size_tokens
+            if not req.preemptions:
+                req.cached_tokens = req.prefilled
             self._move(req, State.PREFILLING)
+
+    def _cache_keys(self, req: Request) -> list[bytes]:
+        """The keys of the full pages of what this attempt prefills ([] when it is not cached)."""
+        if req.cache_root is None:
+            return []
+        if req.keys_for != req.prefill_target:
+            page = self.config.page_size_tokens
+            req.cache_keys = block_keys(req.cache_root, req.tokens, page, sealable_blocks(req.prefill_target, page))
+            req.keys_for = req.prefill_target
+        return req.cache_keys
+
+    def _cache_hits(self, req: Request) -> dict[WorkerBinding, list[int]]:
+        """Per pool, the cached pages of the longest prefix of `req` found there, short of the page
+        of its last token (which is computed to sample the next one)."""
+        keys = self._cache_keys(req)[:reusable_blocks(req.prefill_target, self.config.page_size_tokens)]
+        return {w: w.ledger.lookup(keys) for w in self.workers} if keys else {}
+
+    def _seal(self, w: WorkerBinding, req: Request, lease: int, pages: list[int], shared: int) -> None:
+        """The full pages `lease` filled in `w`'s pool (after the `shared` ones it found cached)
+        become sealed in that pool's cache."""
+        keys = self._cache_keys(req)
+        if len(keys) > shared:
+            w.table.seal(lease, req.seal, pages[shared:len(keys)], keys[shared:])
 
     def _next_to_start(self) -> Request | None:
         """The first queued request whose tenant may run one more: a tenant at its running limit

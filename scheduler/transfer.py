@@ -14,7 +14,7 @@ import msgspec
 
 import anyio
 
-from kvfence.scheduler.actions import MoveResult
+from kvfence.scheduler.actions import MoveResult, StartTransfer
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.transports.base import Peer, TransferManifest, Transport
 from kvfence.transports.core.secret import DeploymentSecret
@@ -35,13 +35,18 @@ class TransferLink:
         self.page_size_tokens = page_size_tokens
         self.page_nbytes = page_nbytes
 
-    async def move(self, num_tokens: int, src_pages: list[int], dst_pages: list[int], dst_lease: int,
-                   timeout_s: float) -> MoveResult:
-        """Push the pages holding `num_tokens` tokens; returns once both ends are quiet or it timed out."""
-        num_pages = -(-num_tokens // self.page_size_tokens)
-        src, dst = src_pages[:num_pages], dst_pages[:num_pages]
-        manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(dst_lease), nonce=id_hex(mint_id()),
-                                    num_tokens=num_tokens, num_pages=num_pages)
+    async def move(self, plan: StartTransfer, timeout_s: float) -> MoveResult:
+        """Push the plan's pages (src_pages[i] into dst_pages[i]); returns once both ends are quiet
+        or it timed out. A plan whose page counts do not match the tokens it moves is refused before
+        anything is armed (and the receiver checks the count again), so a partial prefix hit can
+        never shift a page."""
+        if (error := plan.plan_error(self.page_size_tokens)) is not None:
+            log.error("request %s: %s; the transfer is refused", plan.request_id, error)
+            return MoveResult(False, error)
+        src, dst, num_pages = list(plan.src_pages), list(plan.dst_pages), len(plan.dst_pages)
+        manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(plan.dst_lease),
+                                    nonce=id_hex(mint_id()), num_tokens=plan.num_tokens - plan.first_token,
+                                    num_pages=num_pages)
         # the receiver incarnation the sender paired with (checked at pairing): a push planned for it
         # is refused by any later incarnation of the receiver
         manifest = msgspec.structs.replace(

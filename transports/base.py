@@ -41,10 +41,13 @@ class PairingRecord(msgspec.Struct, frozen=True):
     digest: str  # page digest algorithm, e.g. "xxh3_64"
     max_context_tokens: int
     incarnation: str  # random per worker start; transfers never cross incarnations
+    # how the prefix cache keys a page-aligned block (both pools of a transfer must key alike, or a
+    # partial hit would skip pages the other side does not hold); "" where nothing is cached
+    block_hash: str = ""
 
     def mismatch(self, other: PairingRecord) -> str | None:
         """The first field (other than limits and incarnation) that differs, or None."""
-        for name in ("model", "dtype", "page_size_tokens", "page_nbytes", "page_layout", "digest"):
+        for name in ("model", "dtype", "page_size_tokens", "page_nbytes", "page_layout", "digest", "block_hash"):
             if getattr(self, name) != getattr(other, name):
                 return f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
         return None

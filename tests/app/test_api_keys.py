@@ -121,6 +121,34 @@ def test_the_tenant_comes_from_the_key_whatever_the_body_says(tmp_path: Path) ->
     assert [t.name for t in engine.tenants] == ["a"]
 
 
+def test_a_cache_salt_only_partitions_and_a_body_never_names_a_tenant(tmp_path: Path) -> None:
+    """FAILURES 25: the salt reaches the scheduler as a salt of the key's tenant; a body naming a
+    tenant or a cache key is refused before anything is submitted."""
+    engine = StubEngine("idle")
+    with client(engine, tmp_path) as c:
+        body = chat_body(cache_salt="b", stream=True)
+        with c.stream("POST", CHAT, content=json.dumps(body), headers={"authorization": bearer(KEY_A)}) as r:
+            assert r.status_code == 200
+        for field in ("tenant", "cache_key"):
+            r = c.post(CHAT, content=json.dumps(chat_body(**{field: "b"})), headers={"authorization": bearer(KEY_A)})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field
+        r = c.post(CHAT, content=json.dumps(chat_body(cache_salt="x" * 257)), headers={"authorization": bearer(KEY_A)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    assert [(t.name, salt) for t, salt in zip(engine.tenants, engine.salts)] == [("a", "b")]
+
+
+def test_flushing_the_cache_needs_the_admin_key(tmp_path: Path) -> None:
+    engine = StubEngine()
+    with client(engine, tmp_path) as c:
+        for headers in ({}, {"authorization": bearer(KEY_A)}, {"authorization": "Bearer nope"}):
+            r = c.post("/admin/flush_cache", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert engine.flushes == 0
+        r = c.post("/admin/flush_cache", headers={"authorization": bearer(ADMIN)})
+        assert r.status_code == 200 and r.json() == {"flushed": True, "pages_freed": {"colocated": 3}}
+    assert engine.flushes == 1
+
+
 def test_metrics_need_the_admin_key(tmp_path: Path) -> None:
     with client(StubEngine(), tmp_path) as c:
         assert c.get("/metrics").status_code == 401

@@ -55,6 +55,12 @@ class StubEngine:
         self.handles: list[RequestHandle] = []
         self.aborts = 0
         self.tenants: list[Tenant] = []
+        self.salts: list[str] = []
+        self.flushes = 0
+
+    def flush_cache(self) -> dict[str, int]:
+        self.flushes += 1
+        return {"colocated": 3}
 
     @property
     def max_context_tokens(self) -> int:
@@ -66,9 +72,11 @@ class StubEngine:
     def _abort(self) -> None:
         self.aborts += 1
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant) -> RequestHandle:
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant,
+               cache_salt: str = "") -> RequestHandle:
         self.submitted.append((prompt_token_ids, sampling))
         self.tenants.append(tenant)
+        self.salts.append(cache_salt)
         if self.mode == "reject":
             raise self.rejection
         if self.mode != "idle":
@@ -355,9 +363,10 @@ class _LoopThreadEngine(StubEngine):
 
     loop_thread = 0
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant) -> RequestHandle:
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant,
+               cache_salt: str = "") -> RequestHandle:
         self.loop_thread = threading.get_ident()
-        return super().submit(prompt_token_ids, sampling, tenant)
+        return super().submit(prompt_token_ids, sampling, tenant, cache_salt)
 
 
 def test_long_bodies_are_prepared_off_the_event_loop_short_ones_on_it() -> None:

@@ -219,3 +219,28 @@ def test_same_client_request_id_twice(server: ServerProcess, reference: dict) ->
                           r"user 'same'", server.log())
     assert {f"chatcmpl-{i}" for i in admitted} >= {r["id"] for r in out}
     wait_baseline(server)
+
+
+def test_a_growing_conversation_is_cached_every_turn_and_answers_as_a_cold_run(
+        server: ServerProcess, client: openai.OpenAI) -> None:
+    """One chat growing over 8 turns: every turn after the first finds the conversation so far in the
+    prefix cache (`usage.prompt_tokens_details.cached_tokens`, whole pages of it) and answers exactly
+    as a cold run of the same turn (a fresh `cache_salt` shares nothing), in every mode."""
+    messages = [{"role": "system", "content": "You are a terse assistant who answers in a few words. " * 4}]
+    previous_prompt = 0
+    for turn in range(8):
+        messages.append({"role": "user", "content": f"Question {turn + 1}: name a colour and a number."})
+        kwargs = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+        warm = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+        cold = client.chat.completions.create(  # type: ignore[arg-type]
+            **kwargs, extra_body={"ignore_eos": True, "cache_salt": f"cold-{turn}-{time.monotonic_ns()}"})
+        assert warm.choices[0].message.content == cold.choices[0].message.content, turn
+        assert warm.usage is not None and cold.usage is not None
+        details = warm.usage.prompt_tokens_details
+        assert details is not None and cold.usage.prompt_tokens_details is not None
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        if turn:  # at least every whole page of the previous turn's prompt
+            assert previous_prompt // 16 * 16 <= details.cached_tokens < warm.usage.prompt_tokens, turn
+            assert details.cached_tokens % 16 == 0
+        previous_prompt = warm.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": warm.choices[0].message.content or ""})

@@ -117,3 +117,67 @@ def test_a_tenant_over_its_limits_gets_429_and_the_other_is_served(server: Serve
     until(lambda: not any(server.pages_in_use().values()), 30, "pages back to baseline")
     with client(server, KEY_A) as a:  # a is served again once its requests ended
         assert chat(a, 2).usage.completion_tokens == 2
+
+
+SYSTEM = "You are the assistant of one tenant. Keep its secrets. " * 12  # a long shared system prompt
+
+
+def ask(c: openai.OpenAI, salt: str | None = None):  # type: ignore[no-untyped-def]
+    extra: dict[str, object] = {"ignore_eos": True}
+    if salt is not None:
+        extra["cache_salt"] = salt
+    return c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": SYSTEM},
+                                                             {"role": "user", "content": "hello"}],
+                                     max_tokens=6, temperature=0, extra_body=extra)
+
+
+def cached(reply) -> int:  # type: ignore[no-untyped-def]
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def flush(srv: ServerProcess, key: str | None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(srv.base_url + "/admin/flush_cache", headers=headers, timeout=10)
+
+
+def test_the_prefix_cache_never_crosses_tenants(server: ServerProcess) -> None:
+    """FAILURES 24 and 25: b sends exactly a's prompt (and every salt it likes): no cached tokens,
+    as much prefill work as a cold request (the server's own count), the same answer; a's second
+    request hits. A body naming a tenant or a cache key is refused."""
+    assert flush(server, ADMIN).status_code == 200
+    prefilled = {t: metric(server, "kvfence_prefill_tokens_total", tenant=t) for t in ("a", "b")}
+    with client(server, KEY_A) as a, client(server, KEY_B) as b:
+        a1 = ask(a)
+        a2 = ask(a)
+        b_replies = [ask(b), ask(b, salt=""), ask(b, salt="a")]
+    assert (cached(a1), a1.choices[0].message.content) == (0, a2.choices[0].message.content)
+    assert cached(a2) >= a1.usage.prompt_tokens - 16 - 1 and cached(a2) % 16 == 0
+    assert cached(b_replies[0]) == 0 and all(r.choices[0].message.content == a1.choices[0].message.content
+                                             for r in b_replies)
+    prompt = a1.usage.prompt_tokens
+    # b's first request computed its whole prompt, as a cold one does: its first token is not early
+    until(lambda: metric(server, "kvfence_prefill_tokens_total", tenant="b") > prefilled["b"], 10, "b's count")
+    assert metric(server, "kvfence_prefill_tokens_total", tenant="b") - prefilled["b"] >= 2 * prompt  # 2 salts cold
+    assert metric(server, "kvfence_prefill_tokens_total", tenant="a") - prefilled["a"] == 2 * prompt - cached(a2)
+    for field, value in (("tenant", "a"), ("cache_key", "00"), ("page_ids", [0])):
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=10,
+                       headers={"authorization": f"Bearer {KEY_B}"},
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_flushing_the_cache_needs_the_admin_key_and_returns_every_page(server: ServerProcess) -> None:
+    with client(server, KEY_A) as a:
+        ask(a)
+    for key in (None, KEY_A, "wrong"):
+        refused = flush(server, key)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    until(lambda: metric(server, "kvfence_kv_pages", role="prefill", state="cached") > 0, 10, "cached pages")
+    done = flush(server, ADMIN)
+    assert done.status_code == 200 and done.json()["flushed"] is True
+    assert sum(done.json()["pages_freed"].values()) > 0
+    for role in ("prefill", "decode"):
+        until(lambda role=role: metric(server, "kvfence_kv_pages", role=role, state="free")
+              == metric(server, "kvfence_kv_pages", role=role, state="total"), 10, f"every {role} page free")
+        assert metric(server, "kvfence_kv_pages", role=role, state="cached") == 0

@@ -56,6 +56,8 @@ def test_batched_decode_equals_solo(engine: OfflineEngine, solo: dict[str, Gener
 
 def test_pages_return_to_baseline(engine: OfflineEngine, reference: dict) -> None:
     engine.generate([c["prompt_token_ids"] for c in reference["cases"][:3]], [GREEDY_32] * 3)
+    assert engine.ledger.num_in_use == 0 and engine.ledger.num_cached > 0  # the prompts' full pages stay cached
+    assert engine.flush_cache() > 0
     assert engine.ledger.num_free == engine.ledger.num_pages
     engine.ledger.check_integrity()
     assert not engine.runner.pool.owner_tags.any()  # every tag cleared

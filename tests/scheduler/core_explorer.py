@@ -69,6 +69,7 @@ class Budget:
     failed_steps: int = 0
     ticks: int = 1
     transfer_faults: int = 1  # quiet or loud failures, in all
+    flushes: int = 0  # POST /admin/flush_cache
 
 
 @dataclasses.dataclass
@@ -99,7 +100,15 @@ class SimWorker:
             for page in grant.pages:
                 self.tags[page] = grant.lease
         for landing in msg.landed:  # the sanitizer learns who wrote a landed transfer
-            self.write(landing.lease, landing.pages, 0, landing.num_tokens)
+            self.write(landing.lease, landing.pages, landing.first_token, landing.num_tokens)
+        for seal in msg.sealed:  # read-only from now on, readable by the tenant's seal
+            for page in seal.pages:
+                self.tags[page] = seal.seal
+                for slot in range(self.page_size):
+                    if self.slots.get((page, slot)) == seal.lease:
+                        self.slots[(page, slot)] = seal.seal
+                    else:
+                        self.slots.pop((page, slot), None)
         for lease in msg.ended:
             self.page_tables.pop(lease, None)
         for seq in msg.seqs:
@@ -113,12 +122,14 @@ class SimWorker:
             if len(table) * self.page_size < end:
                 raise Broken(f"{self.name} worker: the page table of lease {id_hex(lease)[-6:]} holds {len(table)} "
                              f"pages, too few for {end} tokens")
+            read_only = seq.context_tokens // self.page_size  # pages before the first one it writes
             for pos in range(end):
                 page = table[pos // self.page_size]
-                if self.tags.get(page) != lease:
-                    raise Broken(f"{self.name} worker: seq of lease {seq.lease[-6:]} touches page {page} tagged "
+                allowed = (lease, seq.seal) if seq.seal and pos // self.page_size < read_only else (lease,)
+                if self.tags.get(page) not in allowed:
+                    raise Broken(f"{self.name} worker: seq of lease {id_hex(lease)[-6:]} touches page {page} tagged "
                                  f"{id_hex(self.tags.get(page, 0))[-6:]}")
-                if pos < seq.context_tokens and self.slots.get((page, pos % self.page_size)) != lease:
+                if pos < seq.context_tokens and self.slots.get((page, pos % self.page_size)) not in (lease, seq.seal or lease):
                     raise Broken(f"{self.name} worker: lease {seq.lease[-6:]} reads token {pos} (page {page}) "
                                  f"that it did not write")
             self.write(lease, table, seq.context_tokens, end)
@@ -189,7 +200,13 @@ class World:
                     out.append((f"transfer {key} is quiet", lambda key=key: self.quiet(key)))
         if self.budget.ticks and self.core.queue:
             out.append(("tick past the queue deadline", self.tick))
+        if self.budget.flushes and any(w.ledger.num_cached for w in self.core.workers):
+            out.append(("flush the prefix cache", self.flush))
         return out
+
+    def flush(self) -> None:
+        self.budget.flushes -= 1
+        self.core.flush_cache(self.now)
 
     def submit(self) -> None:
         try:
@@ -263,7 +280,8 @@ class World:
         for page in t.start.dst_pages[:t.manifest.num_pages]:
             if page not in ledger.pages(lease) and page not in ledger.quarantined_pages(lease):
                 raise Broken(f"transfer of lease {id_hex(lease)[-6:]} {why} into page {page}, which it no longer holds")
-        self.sims[self.decode.name].write(lease, t.start.dst_pages, 0, t.start.num_tokens)
+        # the plan's pages in order: positions relative to its first page (which starts a page)
+        self.sims[self.decode.name].write(lease, t.start.dst_pages, 0, t.start.num_tokens - t.start.first_token)
 
     # ---- actions ----
 
@@ -284,8 +302,11 @@ class World:
                 seen.append(action)
             elif isinstance(action, StartTransfer):
                 key = next(self._transfer_ids)
-                num_pages = -(-action.num_tokens // self.config.page_size_tokens)
-                manifest = TransferManifest(f"t{key}", id_hex(action.dst_lease), f"n{key}", action.num_tokens, num_pages)
+                if (error := action.plan_error(self.config.page_size_tokens)) is not None:
+                    raise Broken(error)
+                num_pages = len(action.dst_pages)
+                manifest = TransferManifest(f"t{key}", id_hex(action.dst_lease), f"n{key}",
+                                            action.num_tokens - action.first_token, num_pages)
                 self.receiver.expect(manifest, action.dst_pages[:num_pages])
                 self.transfers[action.key] = Transfer(action, manifest)
             elif isinstance(action, WatchQuiet):
@@ -302,7 +323,10 @@ class World:
             for ledger, lease, pages, side in (
                     (self.decode.ledger, t.start.dst_lease, t.start.dst_pages[:num_pages], "destination"),
                     (self.prefill.ledger, t.start.src_lease, t.start.src_pages[:num_pages], "source")):
-                gone = [p for p in pages if p not in ledger.pages(lease) and p not in ledger.quarantined_pages(lease)]
+                mine = ledger.pages(lease) + ledger.quarantined_pages(lease)
+                if side == "source":  # a push reads sealed pages its lease shares; it never writes one
+                    mine += ledger.shared_pages(lease)
+                gone = [p for p in pages if p not in mine]
                 if gone:
                     raise Broken(f"pages {gone} a transfer may still touch ({side}) were freed or given away")
         for rid in filter(None, self.submitted):
@@ -312,6 +336,10 @@ class World:
             for w, lease, pages in ((self.prefill, req.prefill_lease, req.prefill_pages),
                                     (self.decode, req.decode_lease, req.decode_pages)):
                 for page in pages if lease else []:
+                    if w.ledger.is_sealed(page):  # shared read-only: each reader must hold a reference
+                        if page not in w.ledger.shared_pages(lease):
+                            raise Broken(f"lease {id_hex(lease)[-6:]} reads sealed page {page} without a reference")
+                        continue
                     other = held.setdefault((w.name, page), lease)
                     if other != lease:
                         raise Broken(f"page {page} of the {w.name} pool is held by two leases")
@@ -324,12 +352,36 @@ class World:
             if self.core.request(rid) is not None or not deltas or not deltas[-1].delta.terminal:
                 raise Broken(f"r{i} is not terminal once no event is left")
         for w in self.core.workers:
-            if w.ledger.num_used:
-                raise Broken(f"{w.ledger.num_used} pages of the {w.name} pool are not free once no event is left")
-            if self.sims[w.name].tags:
-                raise Broken(f"pages {sorted(self.sims[w.name].tags)} of the {w.name} pool are still tagged")
-            if self.sims[w.name].page_tables:
+            ledger, sim = w.ledger, self.sims[w.name]
+            if ledger.num_in_use:
+                raise Broken(f"{ledger.num_in_use} pages of the {w.name} pool are held once no event is left")
+            cached = {p for p in range(ledger.num_pages) if ledger.is_sealed(p)}
+            seals = set(self.core._seals.values())  # noqa: SLF001
+            unseen_restart = w.incarnation and w.incarnation != sim.inc()  # its blank pool is learned at the next reply
+            if not unseen_restart and (set(sim.tags) != cached or any(sim.tags[p] not in seals for p in cached)):
+                raise Broken(f"pages {sorted(sim.tags)} of the {w.name} pool are tagged, but only the cached "
+                             f"pages {sorted(cached)} should be, with a seal")
+            if sim.page_tables:
                 raise Broken(f"the {w.name} worker still keeps the page tables of ended leases")
+        self._check_flush_returns_every_page()
+
+    def _check_flush_returns_every_page(self) -> None:
+        """Flushing the cache of a quiescent world frees and untags every page."""
+        world = copy.deepcopy(self, memo=_shared(self))
+        world.core.flush_cache(world.now)
+        world.carry_out()
+        while busy := [name for name, sim in world.sims.items() if sim.message is not None]:
+            world.reply(busy[0])
+            world.carry_out()
+        for w in world.core.workers:
+            if w.ledger.num_used or world.sims[w.name].tags:
+                raise Broken(f"after a flush, {w.ledger.num_used} pages of the {w.name} pool are not free "
+                             f"(tagged: {sorted(world.sims[w.name].tags)})")
+
+    def sharing(self) -> bool:
+        """Some live request reads a page it shares from a pool's prefix cache."""
+        return any(r.shared_prefill or r.shared_decode for r in map(self.core.request, filter(None, self.submitted))
+                   if r is not None)
 
     def fingerprint(self) -> str:
         reqs = []
@@ -339,6 +391,8 @@ class World:
                                                   is not None, req.prefill_lease, req.decode_lease,
                                                   tuple(req.decode_pages), req.stepping, req.transfer))
         tables = [(list(w.ledger._free), sorted(w.ledger._owned.items()), sorted(w.ledger._quarantined.items()),  # noqa: SLF001
+                   sorted(w.ledger._refs.items()), list(w.ledger._idle), sorted(w.ledger._key_of.items()),  # noqa: SLF001
+                   sorted(w.table._sealing.items()),  # noqa: SLF001
                    w.table.has_pending, sorted(w.table._sent.items()), list(w.table._ended),  # noqa: SLF001
                    w.incarnation, w.in_flight is not None) for w in self.core.workers]
         sims = [(sorted(s.tags.items()), sorted(s.slots.items()), sorted(s.page_tables.items()), s.incarnation,
@@ -356,10 +410,11 @@ class Report:
     transitions: int
     quiescent: int
     max_depth: int
+    shared: int = 0  # states in which some request reads pages it shares from the prefix cache
 
     def __str__(self) -> str:
         return (f"{self.states} states, {self.transitions} transitions, {self.quiescent} quiescent, "
-                f"deepest path {self.max_depth} events")
+                f"deepest path {self.max_depth} events" + (f", {self.shared} sharing" if self.shared else ""))
 
 
 def explore(make: Callable[[], World], max_states: int = 200_000) -> Report:
@@ -376,10 +431,11 @@ def _bfs(make: Callable[[], World], max_states: int) -> Report:
     root = make()
     seen = {root.fingerprint()}
     frontier: deque[tuple[World, list[str]]] = deque([(root, [])])
-    transitions = quiescent = depth = 0
+    transitions = quiescent = depth = shared = 0
     while frontier:
         world, trace = frontier.popleft()
         depth = max(depth, len(trace))
+        shared += world.sharing()
         enabled = [name for name, _ in world.events()]
         if not enabled:
             quiescent += 1
@@ -402,7 +458,7 @@ def _bfs(make: Callable[[], World], max_states: int) -> Report:
                 if len(seen) > max_states:
                     raise RuntimeError(f"more than {max_states} states: tighten the budget")
                 frontier.append((child, path))
-    return Report(len(seen), transitions, quiescent, depth)
+    return Report(len(seen), transitions, quiescent, depth, shared)
 
 
 def _checked(fn: Callable[[], None], trace: list[str]) -> None:

@@ -18,23 +18,37 @@ PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [8, 9, 10]]
 
 
-def world_factory(tiny: Checkpoint, disaggregated: bool, budget: Budget, pages: int = 4, chunk: int = 4):  # type: ignore[no-untyped-def]
+SHARED_PROMPTS = [[5, 6, 7], [5, 6, 7]]  # one full page alike: the second can share the first's
+
+
+def world_factory(tiny: Checkpoint, disaggregated: bool, budget: Budget, pages: int = 4, chunk: int = 4,  # type: ignore[no-untyped-def]
+                  cache: bool = False, prompts: list[list[int]] = PROMPTS):
     config = SchedulerConfig(page_size_tokens=2, max_context_tokens=8, max_running=2, max_queue=1, chunk_tokens=chunk,
-                             disaggregated=disaggregated, queue_timeout_s=10, heartbeat_s=1, max_preemptions=1)
-    return lambda: World(tiny.tokenizer, config, pages, PROMPTS, PARAMS, budget)
+                             disaggregated=disaggregated, queue_timeout_s=10, heartbeat_s=1, max_preemptions=1,
+                             prefix_cache=cache)
+    return lambda: World(tiny.tokenizer, config, pages, prompts, PARAMS, budget)
 
 
-@pytest.mark.parametrize(("disaggregated", "budget", "chunk"), [
-    (True, Budget(restarts=1, transfer_faults=1, aborts=1, ticks=0), 4),
-    (True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=1, failed_steps=1), 2),
-    (False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=1, failed_steps=1), 2),
-], ids=["disaggregated-faults", "disaggregated-chunked", "colocated"])
+@pytest.mark.parametrize(("disaggregated", "budget", "chunk", "cache"), [
+    (True, Budget(restarts=1, transfer_faults=1, aborts=1, ticks=0), 4, False),
+    (True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=1, failed_steps=1), 2, False),
+    (False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=1, failed_steps=1), 2, False),
+    (True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0, flushes=1), 4, True),
+    (False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=1, failed_steps=1, flushes=1), 2, True),
+], ids=["disaggregated-faults", "disaggregated-chunked", "colocated", "disaggregated-shared-prefix",
+        "colocated-shared-prefix"])
 def test_every_interleaving_keeps_the_invariants(tiny: Checkpoint, disaggregated: bool, budget: Budget,
-                                                 chunk: int, capsys: pytest.CaptureFixture[str]) -> None:
-    report = explore(world_factory(tiny, disaggregated, budget, chunk=chunk))
+                                                 chunk: int, cache: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The prefix-cache runs submit the same prompt twice: the second may share the first's sealed
+    page in either pool (or both), while the first still runs, after it ended, or after a flush."""
+    report = explore(world_factory(tiny, disaggregated, budget, chunk=chunk, cache=cache,
+                                   prompts=SHARED_PROMPTS if cache else PROMPTS))
     with capsys.disabled():
-        print(f"\ncore explorer ({'disaggregated' if disaggregated else 'colocated'}, chunk {chunk}): {report}")
+        print(f"\ncore explorer ({'disaggregated' if disaggregated else 'colocated'}, chunk {chunk}"
+              f"{', shared prefix' if cache else ''}): {report}")
     assert report.quiescent > 0 and report.states > 100
+    if cache:
+        assert report.shared > 0  # some path did read a page another request sealed
 
 
 def test_it_finds_a_release_before_the_transfer_is_quiet(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,3 +70,40 @@ def test_it_finds_an_emit_before_the_kv_landed(tiny: Checkpoint, monkeypatch: py
     print(found.value)
     assert "before its KV landed" in found.value.what or "did not write" in found.value.what
     assert len(found.value.trace) <= 6
+
+
+def test_it_finds_a_transfer_plan_that_ignores_the_decode_side_hit(tiny: Checkpoint,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan that moves the whole prompt although the decode lease shares its first page from the
+    decode pool's cache would write into a sealed page another request reads (FAILURES 26)."""
+    from kvfence.scheduler.actions import StartTransfer
+
+    def whole_prompt(self: SchedulerCore, req):  # type: ignore[no-untyped-def]
+        end = self.config.pages_for(req.prefill_target)
+        return StartTransfer(req.transfer, req.request_id, req.prefill_target, req.prefill_lease,
+                             req.prefill_pages[:end], req.decode_lease, req.decode_pages[:end])
+
+    monkeypatch.setattr(SchedulerCore, "_transfer_plan", whole_prompt)
+    with pytest.raises(Violation) as found:
+        explore(world_factory(tiny, True, Budget(restarts=0, aborts=0, ticks=0, transfer_faults=0), cache=True,
+                              prompts=SHARED_PROMPTS))
+    print(found.value)
+    assert "no longer holds" in found.value.what or "freed or given away" in found.value.what
+
+
+def test_it_finds_a_seal_of_pages_the_prefill_did_not_fill(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sealing the pages of the decode lease before its transfer landed: the transfer would then
+    write into sealed pages (and the worker share slots nobody wrote)."""
+    real = SchedulerCore._prefilled
+
+    def seal_early(self: SchedulerCore, req, token, now):  # type: ignore[no-untyped-def]
+        if req.decode_lease != req.prefill_lease:
+            self._seal(self.decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
+        real(self, req, token, now)
+
+    monkeypatch.setattr(SchedulerCore, "_prefilled", seal_early)
+    with pytest.raises(Violation) as found:
+        explore(world_factory(tiny, True, Budget(restarts=0, aborts=0, ticks=0, transfer_faults=0), cache=True,
+                              prompts=SHARED_PROMPTS))
+    print(found.value)
+    assert any(w in found.value.what for w in ("did not write", "no longer holds", "freed or given away"))

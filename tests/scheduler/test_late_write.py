@@ -80,7 +80,11 @@ async def test_a_write_that_lands_after_the_timeout_lands_in_quarantined_pages_t
         decode, prefill = s.scheduler.ledger("decode"), s.scheduler.ledger("prefill")
         assert decode.num_quarantined == 3 and prefill.num_quarantined == 3  # both ends, while it may land
         (dst_lease,), (src_lease,) = decode.quarantined_leases(), prefill.quarantined_leases()
-        dst, src = decode.quarantined_pages(dst_lease), prefill.quarantined_pages(src_lease)
+        dst = decode.quarantined_pages(dst_lease)
+        # the source's full pages were sealed into the prefill cache once filled: the quarantined
+        # lease still holds them (the write may still read them), ahead of its own last page
+        src = prefill.shared_pages(src_lease) + prefill.quarantined_pages(src_lease)
+        assert len(src) == len(dst) == 3 and all(prefill.is_sealed(p) for p in src[:2])
         landed: list[bool] = []
 
         def at_landing() -> None:  # synchronously, as the poller first sees the write DONE

@@ -29,9 +29,10 @@ def test_a_step_sends_only_the_pages_a_lease_gained_and_ended_leases_are_named_o
     assert b_pages is not None
     table.release(A)
     table.quarantine(B, 0.0)  # never stepped: the worker has no table of B to forget
-    _, _, released, _, ended = table.take_pending()
+    pending = table.take_pending()
+    released, ended = pending.released, pending.ended
     assert sorted(released) == sorted(pages + more) and ended == [A]
-    assert table.take_pending()[4] == []
+    assert table.take_pending().ended == []
 
 
 def test_the_wire_form_carries_128_bit_leases_exactly() -> None:
@@ -71,6 +72,11 @@ def test_every_page_crosses_once_and_output_is_unchanged(tiny: Checkpoint) -> No
     # each lease's pages crossed exactly once, in the order they were granted, over many steps
     assert sent == granted and all(len(set(p)) == len(p) for p in sent.values())
     assert steps > sum(len(p) for p in sent.values())
-    # the last message named both leases as ended: the worker keeps no table and no tag
-    assert len(e.worker.page_tables) == 0 and e.ledger.num_used == 0
-    assert all(e.worker.pool.owner(p) == 0 for p in range(e.worker.pool.num_pages))
+    # the last message named both leases as ended: the worker keeps no table, and only the prefix
+    # cache holds pages (the full prompt page of the first prompt)
+    assert len(e.worker.page_tables) == 0 and e.ledger.num_in_use == 0 and e.ledger.num_cached == 1
+    cached = [p for p in range(e.worker.pool.num_pages) if e.ledger.is_sealed(p)]
+    assert all(e.worker.pool.owner(p) == 0 for p in range(e.worker.pool.num_pages) if p not in cached)
+    e.core.flush_cache(0.0)  # what only the cache held comes back, untagged
+    e.generate([[15]], [SamplingParams(temperature=0, max_tokens=1)])
+    assert e.ledger.num_used == 0 and all(e.worker.pool.owner(p) == 0 for p in range(e.worker.pool.num_pages))

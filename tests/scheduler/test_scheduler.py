@@ -163,16 +163,16 @@ async def test_foreign_page_tag_fails_only_that_request(harness: Harness, tiny: 
 
     def corrupted():  # type: ignore[no-untyped-def]
         """The first grant to the second request's lease tags its first page with a stranger's lease."""
-        number, grants, released, landed, ended = take()
+        pending = take()
         out = []
-        for grant in grants:
+        for grant in pending.grants:
             if grant.lease not in leases:
                 leases.append(grant.lease)
                 if len(leases) == 2:
                     out += [type(grant)(mint_id(), grant.pages[:1]), type(grant)(grant.lease, grant.pages[1:])]
                     continue
             out.append(grant)
-        return number, out, released, landed, ended
+        return pending._replace(grants=out)
 
     table.take_pending = corrupted  # type: ignore[method-assign]
     try:
@@ -279,8 +279,8 @@ async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed
 
     short = [True]
 
-    def landing(lease: str, pages: list[int], num_tokens: int) -> Landing:
-        return Landing(lease, pages, num_tokens - 1 if short[0] else num_tokens)
+    def landing(lease: int, pages: list[int], num_tokens: int, first_token: int = 0) -> Landing:
+        return Landing(lease, pages, num_tokens - 1 if short[0] else num_tokens, first_token)
 
     monkeypatch.setattr(lease_table, "Landing", landing)
     ps = prompts(2)
@@ -309,9 +309,9 @@ async def test_every_transfer_lands_in_pages_already_tagged_for_its_lease(tiny: 
         assert scheduler.link is not None
         move, checked = scheduler.link.move, []
 
-        async def checked_move(num_tokens: int, src: list[int], dst: list[int], lease: int, timeout_s: float):
-            checked.append([decode_pool.owner(p) == lease for p in dst])
-            return await move(num_tokens, src, dst, lease, timeout_s)
+        async def checked_move(plan, timeout_s: float):  # type: ignore[no-untyped-def]
+            checked.append([decode_pool.owner(p) == plan.dst_lease for p in plan.dst_pages])
+            return await move(plan, timeout_s)
 
         scheduler.link.move = checked_move  # type: ignore[method-assign]
         ps = prompts(16)

@@ -18,6 +18,7 @@ from kvfence.scheduler.request import State
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+OTHER_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28, 29]  # no prefix in common with PROMPT: nothing cached
 
 
 async def outcome(handle: RequestHandle) -> tuple[list[int], str | None, str | None]:
@@ -50,12 +51,12 @@ async def test_failed_transfer_fails_closed_and_the_next_request_is_served(
         want, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
         assert (reason, error) == ("length", None) and len(want) == 6
         await wait_idle(s.scheduler)
-        with anyio.fail_after(10):  # bounded: the transfer timeout is 0.5 s
-            ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
+        with anyio.fail_after(10):  # bounded: the transfer timeout is 0.5 s (another prompt: a whole push)
+            ids, reason, error = await outcome(s.scheduler.submit(OTHER_PROMPT, GREEDY))
         assert ids == [] and reason is None and error == "kv_transfer_failed"  # no token, no `length`
         await wait_idle(s.scheduler)
         ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
-        assert (ids, reason, error) == (want, "length", None)  # the pair is not poisoned
+        assert (ids, reason, error) == (want, "length", None)  # the pair is not poisoned (and the cache hit)
         await wait_idle(s.scheduler)
         await s.aclose()
         tg.cancel_scope.cancel()
@@ -133,8 +134,9 @@ async def test_source_pages_stay_reserved_while_the_transfer_reads_them(tiny: Ch
         await until_transferring(s.scheduler)
         (req,) = s.scheduler.requests_in(State.TRANSFERRING)
         ledger = s.scheduler.ledger("prefill")
-        reading = ledger.pages(req.prefill_lease)
-        assert reading and set(reading) == set(req.prefill_pages[:len(reading)])
+        # its own last page, and the full pages it sealed into the prefix cache, still referenced by it
+        reading = ledger.shared_pages(req.prefill_lease) + ledger.pages(req.prefill_lease)
+        assert reading and set(reading) == set(req.prefill_pages)
         second = s.scheduler.submit(PROMPT[::-1], GREEDY)
         others = [r for r in s.scheduler.requests_in(State.PREFILLING) if r is not req]
         assert others and not set(others[0].prefill_pages) & set(reading)

@@ -95,3 +95,18 @@ def test_expect_validation_and_forgetting() -> None:
         s.expect(m, [0])
         s.cancel(m.transfer_id)
     assert s.result(first.transfer_id) is None and s.result(second.transfer_id) is not None
+
+
+def test_a_plan_whose_page_count_does_not_fit_its_tokens_is_refused_by_count() -> None:
+    """FAILURES 26, the receiver's half: knowing its page size, it arms a transfer only if the pages
+    named are exactly those its tokens fill (a partial prefix hit moves a suffix of whole pages)."""
+    import msgspec
+
+    s = ReceiverState(num_pages=8, page_nbytes=64, digest="xxh3_64", page_size_tokens=16)
+    m = make_manifest(2)  # 2 * 16 - 3 tokens: two pages
+    for tokens in (16, 33):  # one page's worth; three pages' worth
+        with pytest.raises(ValueError, match="plan"):
+            s.expect(msgspec.structs.replace(m, num_tokens=tokens), [3, 4])
+    assert not s.pending(m.transfer_id)
+    s.expect(m, [3, 4])
+    assert s.pending(m.transfer_id)

@@ -74,7 +74,8 @@ class Endpoint(Transport):
                                stage_chunk_bytes=self.stage_chunk_bytes)
         secret, incarnation = self.secret, record.incarnation
         self._pool_bytes = pool_bytes
-        self._receiver = Receiver(pool_bytes, lambda m, dst: secret.capability_ok(m, dst, incarnation))
+        self._receiver = Receiver(pool_bytes, lambda m, dst: secret.capability_ok(m, dst, incarnation),
+                                  page_size_tokens=record.page_size_tokens)
         return pool_bytes
 
     def _started(self) -> tuple[PoolBytes, Receiver]:

@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 class Receiver:
     """A `ReceiverState` over the registered bytes of one pool (`PoolBytes`), with waiters."""
 
-    def __init__(self, pool_bytes: PoolBytes, capability: CapabilityCheck | None = None) -> None:
+    def __init__(self, pool_bytes: PoolBytes, capability: CapabilityCheck | None = None,
+                 page_size_tokens: int = 0) -> None:
         self.pool_bytes = pool_bytes
         self.state = ReceiverState(pool_bytes.num_pages, pool_bytes.page_nbytes, pool_bytes.digest,
-                                   capability=capability)
+                                   capability=capability, page_size_tokens=page_size_tokens)
         self._waiters: dict[str, anyio.Event] = {}
         self._staging: dict[Admission, torch.Tensor] = {}  # live admissions of a staged pool
         self._closed_reason = ""

@@ -48,8 +48,10 @@ CapabilityCheck = Callable[[TransferManifest, Sequence[int]], bool]
 
 class ReceiverState:
     def __init__(self, num_pages: int, page_nbytes: int, digest: str, remember: int = 65536,
-                 capability: CapabilityCheck | None = None) -> None:
+                 capability: CapabilityCheck | None = None, page_size_tokens: int = 0) -> None:
+        """`page_size_tokens` (0: unknown): a manifest must name exactly the pages its tokens fill."""
         self.num_pages = num_pages
+        self.page_size_tokens = page_size_tokens
         self._capability = capability
         self.page_nbytes = page_nbytes
         self.digest = digest
@@ -88,6 +90,9 @@ class ReceiverState:
             raise ValueError(f"transfer {tid} is already expected or finished")
         if manifest.num_pages < 1 or len(dst_pages) != manifest.num_pages:
             raise ValueError(f"transfer {tid}: {len(dst_pages)} dst pages for num_pages={manifest.num_pages}")
+        if self.page_size_tokens and manifest.num_pages != -(-manifest.num_tokens // self.page_size_tokens):
+            raise ValueError(f"transfer {tid}: plan: {manifest.num_pages} pages for {manifest.num_tokens} tokens "
+                             f"of {self.page_size_tokens} per page")
         if len(manifest.digests) not in (0, manifest.num_pages):
             raise ValueError(f"transfer {tid}: {len(manifest.digests)} digests for {manifest.num_pages} pages")
         check_pages(dst_pages, self.num_pages, f"transfer {tid} dst")
