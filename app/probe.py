@@ -115,9 +115,9 @@ class Prober:
                     reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 for choice in chunk.get("choices", []):
                     content = (choice.get("delta") or {}).get("content")
+                    if (content or choice.get("finish_reason")) and reply.ttft_s != reply.ttft_s:  # first output
+                        reply.ttft_s = time.perf_counter() - start
                     if content:
-                        if not parts:
-                            reply.ttft_s = time.perf_counter() - start
                         parts.append(content)
                         chunks += 1
                 if stop_after_chunks is not None and chunks >= stop_after_chunks:
@@ -252,15 +252,15 @@ class Prober:
         while len(cold) < rounds:
             shared = [{"role": "system", "content": self.words(n)}, {"role": "user", "content": "Summarize."}]
             mine = [{"role": "system", "content": self.words(n)}, {"role": "user", "content": "Summarize."}]
-            a1 = self.chat(self.key_a, shared, 1)
+            a1 = self.chat(self.key_a, shared, 2)
             if a1.status == 400 and not cold and n > 16:  # longer than this tokenizer makes fit: shorter
                 n = n * 2 // 3
                 continue
-            a2 = self.chat(self.key_a, shared, 1)
+            a2 = self.chat(self.key_a, shared, 2)
             if self.rng.random() < 0.5:
-                b, b_cold = self.chat(self.key_b, shared, 1), self.chat(self.key_b, mine, 1)
+                b, b_cold = self.chat(self.key_b, shared, 2), self.chat(self.key_b, mine, 2)
             else:
-                b_cold, b = self.chat(self.key_b, mine, 1), self.chat(self.key_b, shared, 1)
+                b_cold, b = self.chat(self.key_b, mine, 2), self.chat(self.key_b, shared, 2)
             if any(x.status != 200 for x in (a1, a2, b, b_cold)):
                 return Check(name, FAIL, f"a request failed: {[x.status for x in (a1, a2, b, b_cold)]}")
             if warmup:

@@ -2,7 +2,8 @@
 """Time to first token per turn of a growing chat, with the prefix cache and without it.
 
 One conversation (a long system prompt, then a user question per turn, each answer appended)
-grows over --turns turns. Every turn is sent twice, interleaved: warm (the conversation so far is
+grows over --turns turns (each conversation opens with a line of its own, so its first turn is
+cold). Every turn is sent twice, interleaved: warm (the conversation so far is
 in the cache) and cold (a fresh `cache_salt`, which shares nothing: the same work as a server
 without a cache). Both answers must be equal (greedy); the table gives, per turn, the prompt and
 cached tokens and the median TTFT of each over --rounds conversations.
@@ -70,7 +71,8 @@ def main() -> int:
     mismatches = 0
     with httpx.Client(base_url=args.url, timeout=600) as http:
         for _ in range(args.rounds):
-            messages = [{"role": "system", "content": SYSTEM}]
+            # a fresh opening line per conversation: its first turn is cold in every round
+            messages = [{"role": "system", "content": f"Conversation {uuid.uuid4().hex[:8]}. {SYSTEM}"}]
             for t in range(args.turns):
                 messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
                 warm = turn(http, args.model, messages, args.max_tokens, None, args.api_key)
