@@ -249,7 +249,7 @@ class SchedulerCore(Reservation, Preemption):
         elif req.pending_end is not None:
             self._end(req, req.pending_end, now)
         elif not result.ok:
-            log.warning("request %s: KV transfer failed (%s)", req.request_id, result.reason)
+            log.warning("%s: KV transfer failed (%s)", req.who, result.reason)
             self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"), now)
         else:
             first = req.shared_decode * self.config.page_size_tokens
@@ -430,8 +430,8 @@ class SchedulerCore(Reservation, Preemption):
             req, seq = requests[v.seq_index], step.seqs[v.seq_index]
             what = "belongs to" if v.check == "owner_tag" else f"{v.detail} was last written by"
             log.error("KV integrity violation (%s) on the %s worker: page %d %s lease %s, was to be read by "
-                      "lease %s (request %s); the request is failed closed", v.check, w.name, v.page, what,
-                      id_hex(v.owner), id_hex(seq.lease), req.request_id)
+                      "lease %s (%s); the request is failed closed", v.check, w.name, v.page, what,
+                      id_hex(v.owner), id_hex(seq.lease), req.who)
             self.metrics.integrity_violation(w.name, v.check)
             self._end(req, RequestError(500, "kv_integrity_error",
                                         "a KV page of this request failed its ownership check; the request was "

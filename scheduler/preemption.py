@@ -86,7 +86,7 @@ class Preemption:
             if held_by_others <= 0:  # only quarantined pages stand in its way: no page may ever come
                 refusal = quarantine_refusal([(self.decode.name, table.ledger, len(req.decode_pages) + short)], now)
                 if refusal is not None:
-                    log.warning("request %s ends with 503: %s", req.request_id, refusal.error.message)
+                    log.warning("%s ends with 503: %s", req.who, refusal.error.message)
                     self.metrics.rejected(refusal.reason)
                     self._end(req, refusal.error, now)
             return  # else it waits for an older or a transferring request to give pages back
@@ -115,13 +115,13 @@ class Preemption:
             return
         if req.preemptions >= self.config.max_preemptions or any(
                 n > w.ledger.num_pages for w, n in self._needs(len(req.tokens)).items()):
-            log.warning("request %s: the decode pool is out of pages and it cannot be preempted again "
-                        "(%d preemptions, %d tokens): it ends with 503", req.request_id, req.preemptions, len(req.tokens))
+            log.warning("%s: the decode pool is out of pages and it cannot be preempted again "
+                        "(%d preemptions, %d tokens): it ends with 503", req.who, req.preemptions, len(req.tokens))
             self._end(req, RequestError(503, "overloaded", "the server ran out of KV pages for this request; "
                                         "retry shortly", error_type="service_unavailable", retry_after_s=1), now)
             return
-        log.info("request %s preempted after %d generated tokens (preemption %d): the decode pool is out of pages",
-                 req.request_id, req.num_generated, req.preemptions + 1)
+        log.info("%s preempted after %d generated tokens (preemption %d): the decode pool is out of pages",
+                 req.who, req.num_generated, req.preemptions + 1)
         self.metrics.preempted()
         self._release_leases(req)
         self._requeue(req, now)

@@ -100,6 +100,11 @@ class Request:
     finish_reason: str | None = None
 
     @property
+    def who(self) -> str:
+        """How log lines name it: its id and its tenant."""
+        return f"request {self.request_id} (tenant {self.tenant})"
+
+    @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
 

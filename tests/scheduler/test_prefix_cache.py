@@ -139,17 +139,19 @@ async def test_a_plan_that_does_not_add_up_fails_that_request_closed(
 @pytest.mark.anyio
 async def test_eviction_under_pressure_keeps_every_answer_and_a_flush_returns_every_page(
         serving: Serving, tiny: Checkpoint) -> None:
-    """48 pages, 12 prompts of 6 pages each from two tenants, twice: the cache fills, idle pages are
-    evicted (tail first) for new requests, every answer equals a cold run, and after a flush every
-    page of every pool is free and untagged."""
+    """48 pages, 12 prompts from two tenants that grow to 16 pages each, twice: the cache fills, idle
+    pages are evicted (tail first) for new requests, running requests are preempted and recomputed
+    (finding their own prompt cached), every answer equals a cold run, and after a flush every page
+    of every pool is free and untagged."""
     s = serving.scheduler
     prompts = [[7 + i] + list(range(60 + 3 * i, 60 + 3 * i + 21)) for i in range(12)]  # 22 tokens each
-    want = [o[0] for o in offline_greedy(tiny, prompts, 6)]
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o[0] for o in offline_greedy(tiny, prompts, 40)]
     for _ in range(2):
         results = [(0, [], 0, None)] * len(prompts)
 
         async def one(i: int) -> None:
-            results[i] = (i, *await run(s.submit(prompts[i], GREEDY, (T, U)[i % 2])))
+            results[i] = (i, *await run(s.submit(prompts[i], long, (T, U)[i % 2])))
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
@@ -157,6 +159,9 @@ async def test_eviction_under_pressure_keeps_every_answer_and_a_flush_returns_ev
         assert [(ids, err) for _, ids, _, err in results] == [(w, None) for w in want]
         await wait_idle(s)
         assert all(n > 0 for n in s.pages_cached().values())
+    assert s.metrics.preemptions._value.get() > 0
+    assert sum(s.metrics.integrity_violations.labels(w.name, check)._value.get()
+               for w in s.core.workers for check in ("owner_tag", "sanitizer")) == 0
     freed = s.flush_cache()
     assert all(n > 0 for n in freed.values())
     with anyio.fail_after(5):
