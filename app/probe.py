@@ -89,7 +89,15 @@ class Prober:
 
     def chat(self, key: str | None, messages: list[dict], max_tokens: int = 16, *, extra: dict | None = None,
              stop_after_chunks: int | None = None) -> Reply:
-        """One streamed chat completion (greedy); `stop_after_chunks`: close the stream early."""
+        """One streamed chat completion (greedy); `stop_after_chunks`: close the stream early. A
+        kept-alive connection the server closed meanwhile is retried once on a fresh one."""
+        try:
+            return self._chat(key, messages, max_tokens, extra, stop_after_chunks)
+        except httpx.RemoteProtocolError:
+            return self._chat(key, messages, max_tokens, extra, stop_after_chunks)
+
+    def _chat(self, key: str | None, messages: list[dict], max_tokens: int, extra: dict | None,
+              stop_after_chunks: int | None) -> Reply:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
         start = time.perf_counter()
