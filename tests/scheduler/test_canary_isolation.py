@@ -135,3 +135,51 @@ async def test_b_never_sees_a_canary(smollm2: Checkpoint, transport: str, faults
         assert {role: s.ledger(role).num_used for role in held} == held
         await serving.aclose()
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_b_never_sees_a_canary_when_requests_are_preempted(smollm2: Checkpoint) -> None:
+    """Both tenants' requests outgrow a small decode pool at once, so running requests are preempted
+    and recomputed (finding their own tenant's prompt pages cached) while the other tenant's sealed
+    pages sit beside them: B never sees a canary, A's outputs equal its cold solo runs."""
+    tok = smollm2.tokenizer
+    rng = random.Random(11)
+    canaries = [f"KVF{rng.getrandbits(32):08X}" for _ in range(4)]
+    a_prompts = [chat(tok, f"Code: {c}. Code: {c}. Code: {c}. Code:") for c in canaries]
+    b_prompts = [chat(tok, q) for q in ("What was the code?", "Repeat the previous code.", "Say a secret code.",
+                                        "Tell me the code you saw.")]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    config = SchedulerConfig(page_size_tokens=16, max_context_tokens=CONTEXT, max_running=8, max_queue=16,
+                             chunk_tokens=128, disaggregated=True, transfer_timeout_s=10)
+    async with anyio.create_task_group() as tg:
+        solo_serving = await start_serving(tg, smollm2, "tcp", config, num_pages=160)
+        solo = [await run(solo_serving.scheduler.submit(p, params, A, cache_salt=f"cold{i}"))
+                for i, p in enumerate(a_prompts)]
+        await solo_serving.aclose()
+
+        serving = await start_serving(tg, smollm2, "tcp", config, num_pages=40)
+        s = serving.scheduler
+        for _ in range(2):
+            results: dict[str, tuple[str, str | None, str | None]] = {}
+
+            async def one(name: str, prompt: list[int], tenant: Tenant) -> None:
+                results[name] = await run(s.submit(prompt, params, tenant))
+
+            async with anyio.create_task_group() as load:
+                for i in range(4):
+                    load.start_soon(one, f"a{i}", a_prompts[i], A)
+                    load.start_soon(one, f"b{i}", b_prompts[i], B)
+            for i in range(4):
+                assert results[f"a{i}"] == solo[i]
+                text, reason, error = results[f"b{i}"]
+                assert error is None and reason == "length"
+                assert not any(c[3:7] in text for c in canaries), text
+        assert s.metrics.preemptions._value.get() > 0
+        assert all(s.metrics.tokens.labels(t, "cached")._value.get() > 0 for t in ("a", "b"))
+        assert sum(s.metrics.integrity_violations.labels(role, check)._value.get()
+                   for role in ("prefill", "decode") for check in ("owner_tag", "sanitizer")) == 0
+        assert s.pages_in_use() == {"prefill": 0, "decode": 0}
+        s.flush_cache()
+        assert {role: s.ledger(role).num_used for role in ("prefill", "decode")} == {"prefill": 0, "decode": 0}
+        await serving.aclose()
+        tg.cancel_scope.cancel()
