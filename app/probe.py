@@ -195,10 +195,10 @@ class Prober:
         return self.canary_check("canaries: cancelled mid-stream", run)
 
     def check_concurrent(self, streams: int = 8) -> Check:
-        def run() -> None:
-            with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-                jobs = [pool.submit(self.plant if i % 2 else self.ask_b, *(() if i % 2 else ("canaries: concurrent",)))
-                        for i in range(2 * streams)]
+        def run() -> None:  # A plants and B asks, interleaved, `streams` of each at once
+            with concurrent.futures.ThreadPoolExecutor(2 * streams) as pool:
+                jobs = [pool.submit(self.plant) for _ in range(streams)]
+                jobs += [pool.submit(self.ask_b, "canaries: concurrent") for _ in range(streams)]
                 for job in jobs:
                     job.result()
         return self.canary_check("canaries: concurrent", run)
