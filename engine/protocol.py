@@ -49,8 +49,12 @@ class SeqStep(msgspec.Struct, frozen=True):
 
 
 class PageGrant(msgspec.Struct, frozen=True):
+    """Tag `pages` with `lease`, a lease of `tenant` (named in the worker's log lines about it;
+    the tag, not the name, is what every read is checked against)."""
+
     lease: int
     pages: list[int]
+    tenant: str = ""
 
 
 class Landing(msgspec.Struct, frozen=True):

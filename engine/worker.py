@@ -80,9 +80,10 @@ class Worker:
     def _apply_tags(self, cmd: RunStep) -> None:
         if cmd.released:
             self.pool.clear(cmd.released, self.scrub)
+        self.page_tables.forget(cmd.ended)
         for grant in cmd.grants:
             self.pool.assign(grant.pages, grant.lease)
-        self.page_tables.forget(cmd.ended)
+            self.page_tables.name(grant.lease, grant.tenant)
         if self.sanitizer is not None:
             if cmd.released:
                 self.sanitizer.forget(cmd.released)
@@ -92,8 +93,8 @@ class Worker:
         for seal in cmd.sealed:  # after the landings: a seal is checked against who wrote the page
             refused = self.pool.seal(seal.pages, seal.lease, seal.seal)
             if refused:
-                log.error("%s worker: pages %s to be sealed are not tagged with lease %s; they keep their tags, so "
-                          "every read of them fails closed", self.role, refused, id_hex(seal.lease))
+                log.error("%s worker: pages %s to be sealed are not tagged with %s; they keep their tags, so "
+                          "every read of them fails closed", self.role, refused, self.page_tables.who(seal.lease))
             if self.sanitizer is not None:
                 self.sanitizer.seal(seal.lease, seal.seal, seal.pages)
 
@@ -121,9 +122,9 @@ class Worker:
     def _mismatch(self, v: OwnerViolation | SlotViolation) -> OwnerMismatch:
         if isinstance(v, OwnerViolation):
             return OwnerMismatch(v.work_index, v.page, v.owner)
-        log.error("KV SANITIZER: %s worker: lease %s would read token %d (page %d slot %d), last written "
-                  "by %s", self.role, id_hex(v.lease), v.position, v.page, v.slot,
-                  f"lease {id_hex(v.writer)}" if v.writer else "nobody since the page was released")
+        log.error("KV SANITIZER: %s worker: %s would read token %d (page %d slot %d), last written "
+                  "by %s", self.role, self.page_tables.who(v.lease), v.position, v.page, v.slot,
+                  self.page_tables.who(v.writer) if v.writer else "nobody since the page was released")
         return OwnerMismatch(v.work_index, v.page, v.writer, "sanitizer", f"token {v.position} (slot {v.slot})")
 
 

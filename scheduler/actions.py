@@ -38,6 +38,11 @@ class StartTransfer:
     dst_lease: int
     dst_pages: list[int]
     first_token: int = 0
+    tenant: str = ""  # whose KV moves (both leases are its own); for log lines
+
+    @property
+    def who(self) -> str:
+        return f"request {self.request_id}" + (f" (tenant {self.tenant})" if self.tenant else "")
 
     def plan_error(self, page_size_tokens: int) -> str | None:
         """Why the plan does not add up (pages per side against the tokens it moves), or None."""

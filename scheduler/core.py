@@ -309,7 +309,7 @@ class SchedulerCore(Reservation, Preemption):
         first, end = req.shared_decode, self.config.pages_for(req.prefill_target)
         return StartTransfer(req.transfer, req.request_id, req.prefill_target, req.prefill_lease,
                              req.prefill_pages[first:end], req.decode_lease, req.decode_pages[first:end],
-                             first_token=first * self.config.page_size_tokens)
+                             first_token=first * self.config.page_size_tokens, tenant=req.tenant)
 
     def _plan_step(self, w: WorkerBinding, now: float) -> None:
         """The next step of idle worker `w`: decode steps of the requests decoding on it (each
@@ -429,14 +429,22 @@ class SchedulerCore(Reservation, Preemption):
         for v in reply.violations:
             req, seq = requests[v.seq_index], step.seqs[v.seq_index]
             what = "belongs to" if v.check == "owner_tag" else f"{v.detail} was last written by"
-            log.error("KV integrity violation (%s) on the %s worker: page %d %s lease %s, was to be read by "
-                      "lease %s (%s); the request is failed closed", v.check, w.name, v.page, what,
-                      id_hex(v.owner), id_hex(seq.lease), req.who)
+            log.error("KV integrity violation (%s) on the %s worker: page %d %s %s, was to be read by "
+                      "%s of %s; the request is failed closed", v.check, w.name, v.page, what,
+                      self._name_tag(w.table, v.owner), id_hex(seq.lease), req.who)
             self.metrics.integrity_violation(w.name, v.check)
             self._end(req, RequestError(500, "kv_integrity_error",
                                         "a KV page of this request failed its ownership check; the request was "
                                         "stopped before the step's token was sent"), now)
         return reply
+
+    def _name_tag(self, table: LeaseTable, tag: int) -> str:
+        """What a page's owner tag is, for a log line: a lease (with its tenant while it is known),
+        a tenant's seal, or nobody."""
+        if not tag:
+            return "nobody"
+        tenant = next((t for t, seal in self._seals.items() if seal == tag), None)
+        return f"the seal of tenant {tenant}" if tenant is not None else table.who(tag)
 
     def _observe(self, w: WorkerBinding, reply: WorkerReply, now: float) -> bool:
         """True when `reply` shows `w`'s worker restarted; every request bound to the old

@@ -198,7 +198,7 @@ class Scheduler:
                 raise RuntimeError("a transfer needs a transfer link")
             result = await self.link.move(action, timeout_s=self.config.transfer_timeout_s)
         except Exception:  # a bug here must fail one request, not the server
-            log.exception("request %s: transfer task failed", action.request_id)
+            log.exception("%s: transfer task failed", action.who)
             result, crashed = MoveResult(False, "the transfer task failed", quiet=False), True
         self.core.transfer_finished(action.key, result, time.monotonic(), crashed=crashed)
         self._carry_out()

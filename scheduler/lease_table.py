@@ -8,6 +8,8 @@ One per pool (a colocated worker's pool serves both roles and has one table). It
   untags and scrubs those pages), grants (it tags pages with their lease), landings (a verified
   transfer wrote these pages: the KV sanitizer records the writer), seals (pages a lease filled
   become read-only and tagged with its tenant's seal);
+- the tenant of each lease (from its opening until its pages are back): log lines about a lease
+  name it (`who`), and its grants carry it so the worker's own log lines can too;
 - how much of each lease's page table the worker has been sent (it keeps the tables: a step
   sends only the pages a lease gained since its last step), and the leases it may forget;
 - a watermark of the messages the worker has applied. The worker runs its messages in the order
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from kvfence.engine.ids import id_hex
 from kvfence.engine.protocol import Landing, PageGrant, Seal
 from kvfence.scheduler.page_ledger import PageLedger
 
@@ -52,6 +55,7 @@ class LeaseTable:
         self._built = 0  # messages built for the worker, in the order it runs them
         self.applied = 0  # the highest of them the worker has answered (applied or refused)
         self._grant_message: dict[int, int] = {}  # lease -> the last message that carried a grant of it
+        self._tenant: dict[int, str] = {}  # lease -> its tenant, while the ledger holds pages for it
 
     @property
     def has_pending(self) -> bool:
@@ -69,8 +73,27 @@ class LeaseTable:
             self._grants.append((lease, pages))
         return pages
 
+    def open(self, lease: int, tenant: str, shared: Sequence[int] = ()) -> None:
+        """A new lease of `tenant`, reading the cached pages `shared` (a prefix hit: they stay
+        sealed and are not granted). Call before its first `reserve`."""
+        self._tenant[lease] = tenant
+        self.share(lease, shared)
+
+    def who(self, lease: int) -> str:
+        """How log lines name a lease: its id and its tenant (while the table knows it)."""
+        tenant = self._tenant.get(lease)
+        return f"lease {id_hex(lease)}" + (f" (tenant {tenant})" if tenant is not None else "")
+
+    def tenant_of(self, lease: int) -> str | None:
+        return self._tenant.get(lease)
+
+    @property
+    def num_leases(self) -> int:
+        """Leases the table names: live or quarantined ones (0 once every page is back)."""
+        return len(self._tenant)
+
     def share(self, lease: int, pages: Sequence[int]) -> None:
-        """`lease` reads these cached pages (a prefix hit); they stay sealed and are not granted."""
+        """`lease` reads these cached pages too; they stay sealed and are not granted."""
         if pages:
             self.ledger.share(lease, pages)
 
@@ -97,16 +120,21 @@ class LeaseTable:
         if lease:
             self._freed(self.ledger.release(lease))
             self._end(lease)
+            self._tenant.pop(lease, None)
 
     def quarantine(self, lease: int, now_s: float) -> list[int]:
         """Keep the lease's pages out of the free list (a write may still land in them) until
         `confirm_quiet`; returns them."""
         self._end(lease)
-        return self.ledger.quarantine(lease, now_s)
+        pages = self.ledger.quarantine(lease, now_s)
+        if not self.ledger.is_quarantined(lease):  # it held nothing: nothing is left to name
+            self._tenant.pop(lease, None)
+        return pages
 
     def _end(self, lease: int) -> None:
-        self._grant_message.pop(lease, None)
-        if self._sent.pop(lease, None) is not None:
+        """The worker may forget `lease` (its page table, its tenant's name) if it ever learned of it."""
+        granted = self._grant_message.pop(lease, None) is not None
+        if (self._sent.pop(lease, None) is not None) or granted:
             self._ended.append(lease)
 
     def new_pages(self, lease: int, pages: list[int]) -> list[int]:
@@ -121,6 +149,8 @@ class LeaseTable:
         the release path. Returns them ([] if `lease` was not quarantined)."""
         pages = self.ledger.confirm_quiet(lease)
         self._freed(pages)
+        if not self.ledger.holds(lease):
+            self._tenant.pop(lease, None)
         return pages
 
     def land(self, lease: int, pages: list[int], first_token: int, num_tokens: int) -> None:
@@ -134,7 +164,8 @@ class LeaseTable:
         dead lease (a landing is kept while pages it wrote wait to be sealed: the worker checks a
         seal against who wrote the page)."""
         self._built += 1
-        grants = [PageGrant(lease, pages) for lease, pages in self._grants if self.ledger.holds(lease)]
+        grants = [PageGrant(lease, pages, self._tenant.get(lease, "")) for lease, pages in self._grants
+                  if self.ledger.holds(lease)]
         sealing = {lease for lease, _ in self._sealing.values()}
         landed = [Landing(lease, pages, n, first) for lease, pages, first, n in self._landed
                   if self.ledger.holds(lease) or lease in sealing]

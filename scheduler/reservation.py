@@ -26,7 +26,6 @@ from kvfence.scheduler.admission import Refusal, quarantine_refusal
 from kvfence.scheduler.errors import RequestError
 from kvfence.scheduler.lease_table import LeaseTable
 from kvfence.scheduler.prefix_cache import block_keys, reusable_blocks, sealable_blocks
-from kvfence.engine.ids import id_hex
 from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.worker_binding import WorkerBinding
 
@@ -112,7 +111,7 @@ class Reservation:
             leases: dict[WorkerBinding, tuple[int, list[int]]] = {}
             for w, n in self._needs(req.prefill_target).items():
                 lease, shared = self.mint(), hits.get(w, [])
-                w.table.share(lease, shared)  # first: a hit is never evicted for the pages below
+                w.table.open(lease, req.tenant, shared)  # first: a hit is never evicted for the pages below
                 pages = w.table.reserve(lease, n - len(shared))
                 if pages is None:  # _can_reserve said yes a moment ago
                     raise RuntimeError("ledger refused a reservation it had just allowed")
@@ -162,7 +161,7 @@ class Reservation:
     def _quarantine(self, table: LeaseTable, lease: int, now: float) -> None:
         pages = table.quarantine(lease, now)
         if pages:
-            self._log_quarantine(table, f"{len(pages)} pages of lease {id_hex(lease)} quarantined", now)
+            self._log_quarantine(table, f"{len(pages)} pages of {table.who(lease)} quarantined", now)
 
     def _log_quarantine(self, table: LeaseTable, what: str, now: float) -> None:
         name = next(w.name for w in self.workers if w.table is table)
@@ -172,7 +171,8 @@ class Reservation:
                     table.ledger.num_pages, held)
 
     def _confirm_quiet(self, table: LeaseTable, lease: int, now: float) -> list[int]:
+        who = table.who(lease)  # before: the table forgets a lease once its pages are back
         pages = table.confirm_quiet(lease)
         if pages:
-            self._log_quarantine(table, f"quarantine of lease {id_hex(lease)} ended, {len(pages)} pages returned", now)
+            self._log_quarantine(table, f"quarantine of {who} ended, {len(pages)} pages returned", now)
         return pages

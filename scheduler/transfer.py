@@ -41,7 +41,7 @@ class TransferLink:
         anything is armed (and the receiver checks the count again), so a partial prefix hit can
         never shift a page."""
         if (error := plan.plan_error(self.page_size_tokens)) is not None:
-            log.error("request %s: %s; the transfer is refused", plan.request_id, error)
+            log.error("%s: %s; the transfer is refused", plan.who, error)
             return MoveResult(False, error)
         src, dst, num_pages = list(plan.src_pages), list(plan.dst_pages), len(plan.dst_pages)
         manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(plan.dst_lease),
@@ -59,23 +59,23 @@ class TransferLink:
             with anyio.move_on_after(timeout_s) as scope:
                 pushed = await self.sender.push(self.peer, manifest, src, dst)
                 if not pushed.ok:  # the sender gave up: tell the receiver now, not at the timeout
-                    return await self._cancelled(manifest.transfer_id, pushed.reason)
+                    return await self._cancelled(manifest.transfer_id, plan.who, pushed.reason)
                 verdict = await self.receiver.completion(manifest.transfer_id)
         except Exception as e:  # a transport error is a failed transfer, never a crashed server
-            log.warning("transfer %s: transport error: %r", manifest.transfer_id, e)
-            return await self._cancelled(manifest.transfer_id, f"transport error: {e}")
+            log.warning("transfer %s of %s: transport error: %r", manifest.transfer_id, plan.who, e)
+            return await self._cancelled(manifest.transfer_id, plan.who, f"transport error: {e}")
         if scope.cancelled_caught:
-            return await self._cancelled(manifest.transfer_id, f"timed out after {timeout_s:g} s")
+            return await self._cancelled(manifest.transfer_id, plan.who, f"timed out after {timeout_s:g} s")
         if not verdict.ok or not pushed.ok:
             return MoveResult(False, verdict.reason or pushed.reason)
         return MoveResult(True, nbytes=num_pages * self.page_nbytes)
 
-    async def _cancelled(self, transfer_id: str, reason: str) -> MoveResult:
+    async def _cancelled(self, transfer_id: str, who: str, reason: str) -> MoveResult:
         """A failed move, cancelled on both ends: the destination is quiet only when both
         acknowledged (the receiver writes nothing more, and nothing the sender posted can still
         land: a one-sided WRITE is the sender's, the receiver cannot stop it); the source only
         when the sender did (nothing it posted can still read it)."""
-        sender_ack, receiver_ack = await self._cancel(transfer_id)
+        sender_ack, receiver_ack = await self._cancel(transfer_id, who)
         if sender_ack and receiver_ack:
             return MoveResult(False, reason)
 
@@ -86,17 +86,17 @@ class TransferLink:
 
         return MoveResult(False, reason, quiet=False, source_quiet=sender_ack, until_quiet=until_quiet)
 
-    async def _cancel(self, transfer_id: str) -> tuple[bool, bool]:
+    async def _cancel(self, transfer_id: str, who: str) -> tuple[bool, bool]:
         """Cancel on both ends; each side's acknowledgement (sender, receiver)."""
         acks = []
         for side, endpoint in (("sender", self.sender), ("receiver", self.receiver)):
             try:
                 acks.append(await endpoint.cancel(transfer_id))
             except Exception as e:
-                log.warning("transfer %s: %s cancel failed: %r", transfer_id, side, e)
+                log.warning("transfer %s of %s: %s cancel failed: %r", transfer_id, who, side, e)
                 acks.append(False)
         if not all(acks):
-            log.warning("transfer %s: cancellation not acknowledged by the %s; its %s pages stay quarantined",
-                        transfer_id, " and ".join(s for s, ok in zip(("sender", "receiver"), acks) if not ok),
+            log.warning("transfer %s of %s: cancellation not acknowledged by the %s; its %s pages stay quarantined",
+                        transfer_id, who, " and ".join(s for s, ok in zip(("sender", "receiver"), acks) if not ok),
                         "destination" if acks[0] else "source and destination")
         return acks[0], acks[1]

@@ -84,6 +84,7 @@ def assert_baseline(scheduler: Scheduler) -> None:
     assert all(n == 0 for n in scheduler.pages_in_use().values()), scheduler.pages_in_use()
     for worker in scheduler.core.workers:
         worker.ledger.check_integrity()
+        assert worker.table.num_leases == 0, f"the {worker.name} pool's table still names ended leases"
 
 
 async def wait_idle(scheduler: Scheduler, timeout_s: float = 10) -> None:

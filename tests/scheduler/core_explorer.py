@@ -82,6 +82,7 @@ class SimWorker:
     tags: dict[int, int] = dataclasses.field(default_factory=dict)  # page -> lease (absent: free)
     slots: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (page, slot) -> writer lease
     page_tables: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # lease -> its pages, in order
+    tenants: dict[int, str] = dataclasses.field(default_factory=dict)  # lease -> the tenant its grant named
     message: RunStep | None = None  # the step in flight
 
     def inc(self) -> str:
@@ -97,6 +98,9 @@ class SimWorker:
             for slot in range(self.page_size):
                 self.slots.pop((page, slot), None)
         for grant in msg.grants:
+            if not grant.tenant:
+                raise Broken(f"a grant of lease {id_hex(grant.lease)[-6:]} does not name its tenant")
+            self.tenants[grant.lease] = grant.tenant
             for page in grant.pages:
                 self.tags[page] = grant.lease
         for landing in msg.landed:  # the sanitizer learns who wrote a landed transfer
@@ -111,6 +115,7 @@ class SimWorker:
                         self.slots.pop((page, slot), None)
         for lease in msg.ended:
             self.page_tables.pop(lease, None)
+            self.tenants.pop(lease, None)
         for seq in msg.seqs:
             self.page_tables.setdefault(seq.lease, []).extend(seq.new_pages)
         if fail:
@@ -233,6 +238,7 @@ class World:
         sim.tags.clear()
         sim.slots.clear()
         sim.page_tables.clear()
+        sim.tenants.clear()
 
     def land(self, key: int) -> None:
         t = self.transfers.pop(key)
@@ -335,6 +341,9 @@ class World:
                 continue
             for w, lease, pages in ((self.prefill, req.prefill_lease, req.prefill_pages),
                                     (self.decode, req.decode_lease, req.decode_pages)):
+                if lease and w.table.tenant_of(lease) != req.tenant:
+                    raise Broken(f"lease {id_hex(lease)[-6:]} of tenant {req.tenant} is carried as "
+                                 f"{w.table.tenant_of(lease)!r}'s")
                 for page in pages if lease else []:
                     if w.ledger.is_sealed(page):  # shared read-only: each reader must hold a reference
                         if page not in w.ledger.shared_pages(lease):
@@ -361,8 +370,10 @@ class World:
             if not unseen_restart and (set(sim.tags) != cached or any(sim.tags[p] not in seals for p in cached)):
                 raise Broken(f"pages {sorted(sim.tags)} of the {w.name} pool are tagged, but only the cached "
                              f"pages {sorted(cached)} should be, with a seal")
-            if sim.page_tables:
-                raise Broken(f"the {w.name} worker still keeps the page tables of ended leases")
+            if sim.page_tables or sim.tenants:
+                raise Broken(f"the {w.name} worker still keeps the page tables or tenants of ended leases")
+            if w.table.num_leases:
+                raise Broken(f"the {w.name} pool's table still names {w.table.num_leases} ended leases")
         self._check_flush_returns_every_page()
 
     def _check_flush_returns_every_page(self) -> None:
@@ -392,11 +403,11 @@ class World:
                                                   tuple(req.decode_pages), req.stepping, req.transfer))
         tables = [(list(w.ledger._free), sorted(w.ledger._owned.items()), sorted(w.ledger._quarantined.items()),  # noqa: SLF001
                    sorted(w.ledger._refs.items()), list(w.ledger._idle), sorted(w.ledger._key_of.items()),  # noqa: SLF001
-                   sorted(w.table._sealing.items()),  # noqa: SLF001
+                   sorted(w.table._sealing.items()), sorted(w.table._tenant.items()),  # noqa: SLF001
                    w.table.has_pending, sorted(w.table._sent.items()), list(w.table._ended),  # noqa: SLF001
                    w.incarnation, w.in_flight is not None) for w in self.core.workers]
-        sims = [(sorted(s.tags.items()), sorted(s.slots.items()), sorted(s.page_tables.items()), s.incarnation,
-                 s.message) for s in self.sims.values()]
+        sims = [(sorted(s.tags.items()), sorted(s.slots.items()), sorted(s.page_tables.items()),
+                 sorted(s.tenants.items()), s.incarnation, s.message) for s in self.sims.values()]
         outs = {rid: [(d.delta.token_ids, d.delta.finish_reason, d.delta.error and d.delta.error.code)
                       for d in ds] for rid, ds in self.deltas.items()}
         transfers = sorted((k, t.loud, t.watched) for k, t in self.transfers.items())

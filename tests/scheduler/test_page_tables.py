@@ -8,7 +8,8 @@ import torch
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
-from kvfence.engine.protocol import RunStep, decode_request, encode
+from kvfence.engine.page_tables import LeasePageTables
+from kvfence.engine.protocol import PageGrant, RunStep, decode_request, encode
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.lease_table import LeaseTable
@@ -35,8 +36,33 @@ def test_a_step_sends_only_the_pages_a_lease_gained_and_ended_leases_are_named_o
     assert table.take_pending().ended == []
 
 
+def test_every_lease_carries_its_tenant_until_its_pages_are_back() -> None:
+    """The table names each lease's tenant from its opening to its last page back (quarantine
+    included); grants carry the name to the worker, which forgets it with the lease, also for a
+    lease it was granted pages for but never stepped."""
+    table = LeaseTable(8)
+    table.open(A, "acme")
+    table.open(B, "globex")
+    assert table.reserve(A, 2) is not None and table.reserve(B, 1) is not None
+    grants = table.take_pending().grants
+    assert {(g.lease, g.tenant) for g in grants} == {(A, "acme"), (B, "globex")}
+    assert table.who(A).endswith("(tenant acme)") and table.num_leases == 2
+    table.quarantine(B, 0.0)
+    assert table.tenant_of(B) == "globex"  # quarantined: still named in the lines about it
+    table.release(A)
+    assert table.tenant_of(A) is None and table.take_pending().ended == [B, A]  # granted, never stepped
+    assert table.confirm_quiet(B) and table.num_leases == 0
+
+    worker_tables = LeasePageTables()
+    for g in grants:
+        worker_tables.name(g.lease, g.tenant)
+    assert worker_tables.who(B).endswith("(tenant globex)") and len(worker_tables) == 2
+    worker_tables.forget([B, A])
+    assert len(worker_tables) == 0 and "tenant" not in worker_tables.who(A)
+
+
 def test_the_wire_form_carries_128_bit_leases_exactly() -> None:
-    step = RunStep(1, [], ended=[A, B])
+    step = RunStep(1, [], grants=[PageGrant(A, [1], "acme")], ended=[A, B])
     assert decode_request(encode(step)) == step
 
 

@@ -6,6 +6,8 @@ to their baseline."""
 from __future__ import annotations
 
 
+import logging
+
 import anyio
 import pytest
 from serving_harness import Serving, start_serving, until_transferring, wait_idle
@@ -15,9 +17,11 @@ from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.request import State
+from kvfence.scheduler.tenants import Tenant
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+ACME = Tenant("acme")
 OTHER_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28, 29]  # no prefix in common with PROMPT: nothing cached
 
 
@@ -79,17 +83,25 @@ async def test_client_gone_during_a_slow_transfer(tiny: Checkpoint, transport: s
 
 
 @pytest.mark.anyio
-async def test_an_unacknowledged_cancel_keeps_the_pages_quarantined(tiny: Checkpoint, transport: str) -> None:
+async def test_an_unacknowledged_cancel_keeps_the_pages_quarantined(tiny: Checkpoint, transport: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """FAILURES 6 and 8: the transfer times out and its cancellation is never acknowledged (a write
     may still land): the request fails, its decode pages stay quarantined and reported, and later
-    requests never get them."""
+    requests never get them. Every log line about it names its tenant, the quarantine's too."""
     async with anyio.create_task_group() as tg:
         s = await serve(tg, tiny, transport, "stuck#2")
-        want, _, _ = await outcome(s.scheduler.submit(PROMPT, GREEDY))
+        want, _, _ = await outcome(s.scheduler.submit(PROMPT, GREEDY, ACME))
         await wait_idle(s.scheduler)
-        with anyio.fail_after(10):
-            ids, reason, error = await outcome(s.scheduler.submit(PROMPT, GREEDY))
+        with anyio.fail_after(10), caplog.at_level(logging.INFO, logger="kvfence"):
+            handle = s.scheduler.submit(PROMPT, GREEDY, ACME)
+            ids, reason, error = await outcome(handle)
         assert (ids, reason, error) == ([], None, "kv_transfer_failed")
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        about = [m for m in lines if handle.request_id in m or " of lease " in m]
+        assert any("cancellation not acknowledged" in m for m in about), lines
+        assert any("KV transfer failed" in m for m in about), lines
+        assert sum("pages of lease" in m and "quarantined" in m for m in about) == 2, lines  # both pools
+        assert all("(tenant acme)" in m for m in about), about
         decode = s.scheduler.ledger("decode")
         stuck = decode.num_quarantined
         assert stuck == 3  # what it held: pages for its 9 prompt tokens and its first token, at 4 per page
