@@ -47,6 +47,15 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
         add_flags(p, ServeConfig)
 
+    worker = sub.add_parser("worker", help="run one prefill or decode worker in its own process, for a front end "
+                                           "started with --discovery", epilog=sources)
+    worker.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
+    worker.add_argument("--role", required=True, choices=("prefill", "decode"), help="the pool this worker holds")
+    worker.add_argument("--device", default="auto", help="auto, cpu or cuda:N (one worker process per GPU)")
+    worker.add_argument("--control", default="127.0.0.1:0", help="HOST:PORT its scheduler connects to "
+                                                                   "(authenticated with the deployment secret)")
+    add_flags(worker, ServeConfig)
+
     sub.add_parser("config-reference", help="print every setting (TOML key, flag, variable, default) as markdown")
     key = sub.add_parser("api-key", help="print a fresh API key for a tenant and the --api-keys entry that holds "
                                          "its digest (the key itself is shown once, never stored)")
@@ -123,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvfence.app.api_keys import ApiKeys
     from kvfence.app.config import load_config
+    from kvfence.app.discovery import parse_discovery
     from kvfence.app.server import serve
     from kvfence.app.sizing import plan_pools, resolve_context
     from kvfence.engine.attention_backend import resolve_backend_name
@@ -147,10 +157,45 @@ def _serve(args: argparse.Namespace) -> int:
     element_size = pick_dtype(workers.dtype, pick_device(workers.prefill_device)).itemsize
     for device in (workers.prefill_device, workers.decode_device):  # a bad backend fails before weights load
         resolve_backend_name(workers.attention_backend, pick_device(device))
-    resolve_context(config, model, plan_pools(config, model, element_size))
+    if config.discovery is None:  # the pools are the workers' own when they run elsewhere
+        resolve_context(config, model, plan_pools(config, model, element_size))
+    else:
+        parse_discovery(config.discovery)
     checkpoint = load_checkpoint(path)
     name = config.served_model_name or served_name(config.model)
     return anyio.run(serve, config, checkpoint, name, intra_op_threads)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    import anyio
+
+    from kvfence.app.config import load_config
+    from kvfence.app.sizing import plan_pools, resolve_context
+    from kvfence.app.worker_process import check_worker_settings, run_worker
+    from kvfence.engine.checkpoint import load_checkpoint
+    from kvfence.engine.compute import confine_to_one_intra_op_thread
+    from kvfence.engine.loading import pick_device, pick_dtype
+    from kvfence.engine.model_registry import resolve_model, served_name
+    from kvfence.transports.core.secret import DeploymentSecret
+    from kvfence.transports.wire.channel import split_address
+
+    intra_op_threads = confine_to_one_intra_op_thread()
+    config = load_config(vars(args), os.environ, args.config)
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_worker_settings(config, args.role)
+    split_address(args.control)
+    DeploymentSecret.from_file(config.transport.secret_file)  # type: ignore[arg-type]
+    path = resolve_model(config.model, kvfence_home())
+    model = _read_model_config(path)  # an undersized pool fails before any weight is read
+    resolve_context(config, model, plan_pools(config, model, pick_dtype(config.workers.dtype,
+                                                                        pick_device(args.device)).itemsize))
+    checkpoint = load_checkpoint(path)
+    name = config.served_model_name or served_name(config.model)
+    return anyio.run(run_worker, config, checkpoint, name, args.role, args.device, args.control, intra_op_threads)
 
 
 def _read_model_config(path: Path):  # -> ModelConfig
@@ -256,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "worker":
+            return _worker(args)
         if args.command == "check":
             return _check(args)
         if args.command == "config-reference":

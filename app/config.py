@@ -172,6 +172,9 @@ class ServeConfig(Settings):
     served_model_name: str | None = setting(None, "the model id clients send (default: from --model)")
     disaggregation: str = setting("on", "on: separate prefill and decode workers with a KV transport; off: one "
                                         "colocated worker", choices=DISAGGREGATION)
+    discovery: str | None = setting(None, "where the workers are when each runs in its own process (`kvfence "
+                                          "worker`): static://HOST:PORT,HOST:PORT (their control addresses); "
+                                          "unset: the workers run in this process")
     server: ServerConfig = section(ServerConfig)
     workers: WorkersConfig = section(WorkersConfig)
     pools: PoolsConfig = section(PoolsConfig)

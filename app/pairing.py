@@ -21,7 +21,7 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.scheduler.prefix_cache import BLOCK_HASH_SCHEME
-from kvfence.transports.base import PairingRecord, PairingRefused, Transport
+from kvfence.transports.base import PairingRecord, PairingRefused, Peer, Transport
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
 from kvfence.transports.registry import create_transport
@@ -44,6 +44,7 @@ def role_record(pool: KVPool, model_id: str, context_tokens: int) -> PairingReco
 @dataclasses.dataclass
 class PairedWorkers:
     link: TransferLink
+    peer: Peer  # the receiver as the sender paired with it
     endpoints: list[Transport]  # the real endpoints (not fault wrappers), to close at shutdown
     max_context_tokens: int  # the smaller of the two roles' limits
 
@@ -76,8 +77,9 @@ async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, Pai
             await endpoint.aclose()
         raise
     context = min(prefill_record.max_context_tokens, peer.info.record.max_context_tokens)
-    link = TransferLink(sender, receiver, peer, prefill_record.page_size_tokens, prefill_record.page_nbytes, secret)
+    link = TransferLink.local(sender, receiver, peer, prefill_record.page_size_tokens, prefill_record.page_nbytes,
+                              secret)
     log.info("paired prefill -> decode over %s (%s); context limits %d and %d tokens, serving %d",
              transport, receiver_info.address, prefill_record.max_context_tokens,
              peer.info.record.max_context_tokens, context)
-    return PairedWorkers(link, endpoints, context)
+    return PairedWorkers(link, peer, endpoints, context)

@@ -1,7 +1,8 @@
 """Readiness through the real path (invariant 8).
 
 At start the canary prompt's greedy answer is computed on the prefill worker's model alone, in a
-small pool of its own (no transport involved). Then, and again every `interval_s`, the same prompt
+small pool of its own (no transport involved; `local_reference` in this process, the worker's own
+`Reference` call when it runs in another). Then, and again every `interval_s`, the same prompt
 goes through the real serving path (scheduler -> prefill worker -> transport -> decode worker).
 The server is ready only while the last canary produced exactly the known answer; a wrong answer,
 an error or a timeout makes `/ready` 503 until a canary passes again.
@@ -14,11 +15,13 @@ pool is full), so a saturated but healthy server stays ready. It still runs the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import anyio
 import torch
 from prometheus_client import Counter, Gauge
 
+from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
 from kvfence.scheduler.offline import OfflineEngine
@@ -34,11 +37,35 @@ CANARY_TEXT = "The quick brown fox jumps over the lazy dog. The capital of Franc
 CANARY_TOKENS = 8
 
 
+Reference = Callable[[list[int], int], Awaitable[list[int]]]  # (prompt, max_tokens) -> greedy ids
+
+
+def greedy_answer(model: LlamaModel, tokenizer: Tokenizer, prompt: list[int], max_tokens: int,
+                  page_size_tokens: int) -> list[int]:
+    """The greedy continuation of `prompt` on `model` alone, in a scratch pool of its own (call on
+    the model's compute thread)."""
+    pages = -(-(len(prompt) + max_tokens) // page_size_tokens)
+    pool = KVPool(model.config, pages, page_size_tokens, model.dtype, model.device)
+    engine = OfflineEngine(ModelRunner(model, pool), tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with torch.inference_mode():
+        return engine.generate([prompt], [params])[0].generated_token_ids
+
+
+def local_reference(compute: ComputeThread, model: LlamaModel, tokenizer: Tokenizer,
+                    page_size_tokens: int) -> Reference:
+    """The reference of a prefill worker in this process: `greedy_answer` on its compute thread."""
+    async def reference(prompt: list[int], max_tokens: int) -> list[int]:
+        return await compute.run(greedy_answer, model, tokenizer, prompt, max_tokens, page_size_tokens)
+    return reference
+
+
 class ReadinessCanary:
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model: LlamaModel, *,
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, reference: Reference, *,
                  interval_s: float, timeout_s: float) -> None:
+        """`reference`: the canary's known answer, computed on the prefill worker's model alone."""
         self.scheduler = scheduler
-        self.model = model
+        self.reference = reference
         self.prompt = tokenizer.encode(CANARY_TEXT)
         self.params = SamplingParams(temperature=0, max_tokens=CANARY_TOKENS, ignore_eos=True)
         self.interval_s = interval_s
@@ -51,20 +78,10 @@ class ReadinessCanary:
         self._runs = Counter("kvfence_readiness_canaries", "Readiness canaries by result", ["result"],
                              registry=registry)
 
-    def _local_answer(self) -> list[int]:
-        """The canary's greedy ids on this model without any transport (runs on the prefill worker's
-        compute thread)."""
-        page_size = self.scheduler.config.page_size_tokens  # the served pools' page size
-        pages = -(-(len(self.prompt) + CANARY_TOKENS) // page_size)
-        pool = KVPool(self.model.config, pages, page_size, self.model.dtype, self.model.device)
-        engine = OfflineEngine(ModelRunner(self.model, pool), self.scheduler.tokenizer)
-        with torch.inference_mode():
-            return engine.generate([self.prompt], [self.params])[0].generated_token_ids
-
     async def check_once(self) -> bool:
         """One canary through the serving path; updates `passed`."""
         if self.expected is None:
-            self.expected = await self.scheduler.prefill_channel.compute.run(self._local_answer)
+            self.expected = await self.reference(self.prompt, CANARY_TOKENS)
         ids: list[int] = []
         error = ""
         try:

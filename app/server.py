@@ -20,7 +20,7 @@ from kvfence.app.config import ServeConfig
 from kvfence.app.api_keys import ApiKeys
 from kvfence.app.http_api import build_app
 from kvfence.app.pairing import pair_workers, role_record
-from kvfence.app.readiness import ReadinessCanary
+from kvfence.app.readiness import ReadinessCanary, Reference, local_reference
 from kvfence.app.workers import Workers, build_workers
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import confine_to_one_intra_op_thread
@@ -83,7 +83,11 @@ async def _drain_on_signal(scheduler: Scheduler, shutdown: anyio.Event, timeout_
 async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str,
                 intra_op_threads: int | None = None) -> int:
     """Serve until SIGTERM/SIGINT drained (0), or 1 when the workers' transport endpoints refused
-    to pair (logged). `intra_op_threads`: each device's compute thread team (engine/compute.py)."""
+    to pair, or (with --discovery) the workers cannot be used (logged). `intra_op_threads`: each
+    device's compute thread team (engine/compute.py)."""
+    if config.discovery is not None:
+        from kvfence.app.remote_front import serve_remote  # it builds on this module
+        return await serve_remote(config, checkpoint, model_name)
     workers = build_workers(config, checkpoint, intra_op_threads)
     try:
         confine_to_one_intra_op_thread()  # torch work outside the compute threads stays single-threaded
@@ -123,40 +127,49 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
         scheduler = Scheduler(
             scheduler_config, checkpoint.tokenizer, prefill_channel, decode_channel,
             prefill_pages=prefill_pool.num_pages, decode_pages=decode_pool.num_pages, link=link, metrics=metrics)
-        await scheduler.run(tg)
-        canary = ReadinessCanary(scheduler, checkpoint.tokenizer, workers.prefill.runner.model,
-                                 interval_s=config.canary.interval_s,
-                                 timeout_s=scheduler_config.transfer_timeout_s + 30)
-        engine = ServingEngine(model_name, checkpoint.tokenizer, scheduler, canary)
-
-        def metrics_text() -> tuple[bytes, str]:
-            scheduler.refresh_metrics()
-            return metrics.render()
-
-        http = config.server
-        app = build_app(engine, metrics_text, max_body_bytes=http.max_body_bytes, stall_timeout_s=http.stall_timeout_s,
-                        api_keys=ApiKeys.load(http.api_keys))
-        hyper = HypercornConfig()
-        hyper.bind = [f"{http.host}:{http.port}"]
-        hyper.accesslog = None
-        hyper.graceful_timeout = 1.0
-        shutdown = anyio.Event()
-        tg.start_soon(_drain_on_signal, scheduler, shutdown, http.shutdown_timeout_s)
-        tg.start_soon(canary.run, name="readiness-canary")
-        log.info("serving %s on http://%s:%d (context %d tokens, prefill chunks of %d tokens, %s)", model_name,
-                 http.host, http.port, context, scheduler_config.chunk_tokens,
-                 "disaggregated" if workers.decode is not None else "colocated")
-        served = anyio.Event()
-
-        async def run_http() -> None:
-            # In its own task: hypercorn's asyncio.TaskGroup must not have the task-group owner as
-            # its parent, or its shutdown cancellation leaks into anyio's cancel scope accounting.
-            await hypercorn_serve(app, hyper, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
-            served.set()
-
-        tg.start_soon(run_http, name="http")
-        await served.wait()
+        reference = local_reference(workers.compute_of(workers.prefill), workers.prefill.runner.model,
+                                    checkpoint.tokenizer, config.pools.page_size_tokens)
+        await serve_http(tg, config, model_name, checkpoint.tokenizer, scheduler, reference,
+                         "disaggregated" if workers.decode is not None else "colocated")
         for t in transports:
             await t.aclose()
         tg.cancel_scope.cancel()
     return 0
+
+
+async def serve_http(tg: anyio.abc.TaskGroup, config: ServeConfig, model_name: str, tokenizer: Tokenizer,
+                     scheduler: Scheduler, reference: Reference, mode: str) -> None:
+    """Run the scheduler, the readiness canary and the HTTP API in `tg` until SIGTERM/SIGINT drained."""
+    await scheduler.run(tg)
+    scheduler_config = scheduler.config
+    canary = ReadinessCanary(scheduler, tokenizer, reference, interval_s=config.canary.interval_s,
+                             timeout_s=scheduler_config.transfer_timeout_s + 30)
+    engine = ServingEngine(model_name, tokenizer, scheduler, canary)
+    metrics = scheduler.metrics
+
+    def metrics_text() -> tuple[bytes, str]:
+        scheduler.refresh_metrics()
+        return metrics.render()
+
+    http = config.server
+    app = build_app(engine, metrics_text, max_body_bytes=http.max_body_bytes, stall_timeout_s=http.stall_timeout_s,
+                    api_keys=ApiKeys.load(http.api_keys))
+    hyper = HypercornConfig()
+    hyper.bind = [f"{http.host}:{http.port}"]
+    hyper.accesslog = None
+    hyper.graceful_timeout = 1.0
+    shutdown = anyio.Event()
+    tg.start_soon(_drain_on_signal, scheduler, shutdown, http.shutdown_timeout_s)
+    tg.start_soon(canary.run, name="readiness-canary")
+    log.info("serving %s on http://%s:%d (context %d tokens, prefill chunks of %d tokens, %s)", model_name,
+             http.host, http.port, scheduler_config.max_context_tokens, scheduler_config.chunk_tokens, mode)
+    served = anyio.Event()
+
+    async def run_http() -> None:
+        # In its own task: hypercorn's asyncio.TaskGroup must not have the task-group owner as
+        # its parent, or its shutdown cancellation leaks into anyio's cancel scope accounting.
+        await hypercorn_serve(app, hyper, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+        served.set()
+
+    tg.start_soon(run_http, name="http")
+    await served.wait()

@@ -46,9 +46,34 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads:
     Raises UndersizedPoolError, before anything is allocated, when a pool cannot hold one request
     of the full context (unless --clamp-context)."""
     roles = ["prefill"] if config.disaggregation == "off" else ["prefill", "decode"]
+    workers, dtype, context, compute = _build(config, checkpoint, roles, intra_op_threads)
+    return Workers(workers["prefill"], workers.get("decode"), dtype, context, compute)
+
+
+@dataclasses.dataclass
+class RoleWorker:
+    """The one worker of a `kvfence worker` process."""
+
+    worker: Worker
+    compute: ComputeThread
+    max_context_tokens: int  # the context its pool holds (app/sizing.resolve_context)
+
+
+def build_role_worker(config: ServeConfig, checkpoint: Checkpoint, role: str, device: str,
+                      intra_op_threads: int | None = None) -> RoleWorker:
+    """The worker of `role` ("prefill" or "decode") alone, on `device`, its pool sized as that
+    role's pool of a disaggregated server with these settings (UndersizedPoolError likewise)."""
+    devices = {f"{role}_device": device}
+    config = dataclasses.replace(config, disaggregation="on", workers=dataclasses.replace(config.workers, **devices))
+    workers, _, context, compute = _build(config, checkpoint, [role], intra_op_threads)
+    return RoleWorker(workers[role], next(iter(compute.values())), context)
+
+
+def _build(config: ServeConfig, checkpoint: Checkpoint, roles: list[str], intra_op_threads: int | None
+           ) -> tuple[dict[str, Worker], torch.dtype, int, dict[torch.device, ComputeThread]]:
     devices = {"prefill": pick_device(config.workers.prefill_device),
                "decode": pick_device(config.workers.decode_device)}
-    dtype = pick_dtype(config.workers.dtype, devices["prefill"])
+    dtype = pick_dtype(config.workers.dtype, devices[roles[0]])
     # Pool sizes (a colocated pool is sized like a decode pool) come from app/sizing.py.
     plans = plan_pools(config, checkpoint.config, torch.empty(0, dtype=dtype).element_size())
     context, verdicts = resolve_context(config, checkpoint.config, plans)
@@ -59,7 +84,10 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads:
     compute: dict[torch.device, ComputeThread] = {}
     workers: dict[str, Worker] = {}
     try:
-        for role, plan in zip(roles, plans, strict=True):
+        for plan in plans:
+            role = "prefill" if plan.role == "colocated" else plan.role
+            if role not in roles:
+                continue
             device = devices[role]
             if device not in compute:
                 compute[device] = ComputeThread(f"compute-{device}", intra_op_threads)
@@ -78,4 +106,4 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads:
         for thread in compute.values():
             thread.close()
         raise
-    return Workers(workers["prefill"], workers.get("decode"), dtype, context, compute)
+    return workers, dtype, context, compute

@@ -10,30 +10,95 @@ an error, a timeout or silence is a failure.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
+
 import msgspec
 
 import anyio
 
 from kvfence.scheduler.actions import MoveResult, StartTransfer
 from kvfence.engine.ids import id_hex, mint_id
-from kvfence.transports.base import Peer, TransferManifest, Transport
+from kvfence.transports.base import Peer, TransferManifest, TransferResult, Transport
 from kvfence.transports.core.secret import DeploymentSecret
 
 log = logging.getLogger(__name__)
 
 
-class TransferLink:
-    """A paired sender (prefill) and receiver (decode) endpoint, and the deployment secret that
-    mints each push's capability."""
+class SendingEnd(Protocol):
+    """The sending half of transfers: a prefill worker's paired sender (`LocalSendingEnd` in this
+    process, scheduler/remote_worker.py's `RemoteSendingEnd` in another). Transport's contracts."""
 
-    def __init__(self, sender: Transport, receiver: Transport, peer: Peer, page_size_tokens: int,
+    async def push(self, manifest: TransferManifest, src_pages: list[int],
+                   dst_pages: list[int]) -> TransferResult: ...
+
+    async def cancel(self, transfer_id: str) -> bool: ...
+
+    async def wait_quiet(self, transfer_id: str) -> bool: ...
+
+
+class ReceivingEnd(Protocol):
+    """The receiving half: a decode worker's receiver (`LocalReceivingEnd`, `RemoteReceivingEnd`).
+    `expect` raises ValueError when it refuses to arm."""
+
+    async def expect(self, manifest: TransferManifest, dst_pages: list[int]) -> None: ...
+
+    async def completion(self, transfer_id: str) -> TransferResult: ...
+
+    async def cancel(self, transfer_id: str) -> bool: ...
+
+
+class LocalSendingEnd:
+    """A sender endpoint in this process and the receiver it paired with."""
+
+    def __init__(self, transport: Transport, peer: Peer) -> None:
+        self.transport = transport
+        self.peer = peer
+
+    async def push(self, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int]) -> TransferResult:
+        return await self.transport.push(self.peer, manifest, src_pages, dst_pages)
+
+    async def cancel(self, transfer_id: str) -> bool:
+        return await self.transport.cancel(transfer_id)
+
+    async def wait_quiet(self, transfer_id: str) -> bool:
+        return await self.transport.wait_quiet(transfer_id)
+
+
+class LocalReceivingEnd:
+    """A receiver endpoint in this process."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    async def expect(self, manifest: TransferManifest, dst_pages: list[int]) -> None:
+        self.transport.expect(manifest, dst_pages)
+
+    async def completion(self, transfer_id: str) -> TransferResult:
+        return await self.transport.completion(transfer_id)
+
+    async def cancel(self, transfer_id: str) -> bool:
+        return await self.transport.cancel(transfer_id)
+
+
+class TransferLink:
+    """A paired sending and receiving end, the receiver incarnation they paired with, and the
+    deployment secret that mints each push's capability."""
+
+    def __init__(self, sender: SendingEnd, receiver: ReceivingEnd, receiver_incarnation: str, page_size_tokens: int,
                  page_nbytes: int, secret: DeploymentSecret) -> None:
         self.secret = secret
         self.sender = sender
         self.receiver = receiver
-        self.peer = peer
+        self.receiver_incarnation = receiver_incarnation
         self.page_size_tokens = page_size_tokens
         self.page_nbytes = page_nbytes
+
+    @classmethod
+    def local(cls, sender: Transport, receiver: Transport, peer: Peer, page_size_tokens: int, page_nbytes: int,
+              secret: DeploymentSecret) -> TransferLink:
+        """Both endpoints in this process; `peer`: the receiver as the sender paired with it."""
+        return cls(LocalSendingEnd(sender, peer), LocalReceivingEnd(receiver), peer.info.record.incarnation,
+                   page_size_tokens, page_nbytes, secret)
 
     async def move(self, plan: StartTransfer, timeout_s: float) -> MoveResult:
         """Push the plan's pages (src_pages[i] into dst_pages[i]); returns once both ends are quiet
@@ -50,14 +115,14 @@ class TransferLink:
         # the receiver incarnation the sender paired with (checked at pairing): a push planned for it
         # is refused by any later incarnation of the receiver
         manifest = msgspec.structs.replace(
-            manifest, capability=self.secret.capability(manifest, dst, self.peer.info.record.incarnation))
+            manifest, capability=self.secret.capability(manifest, dst, self.receiver_incarnation))
         try:
-            self.receiver.expect(manifest, dst)
+            await self.receiver.expect(manifest, dst)
         except Exception as e:  # nothing is armed: no byte can land for this transfer
             return MoveResult(False, f"the receiver refused the transfer: {e}")
         try:
             with anyio.move_on_after(timeout_s) as scope:
-                pushed = await self.sender.push(self.peer, manifest, src, dst)
+                pushed = await self.sender.push(manifest, src, dst)
                 if not pushed.ok:  # the sender gave up: tell the receiver now, not at the timeout
                     return await self._cancelled(manifest.transfer_id, plan.who, pushed.reason)
                 verdict = await self.receiver.completion(manifest.transfer_id)

@@ -116,7 +116,7 @@ async def start_serving_over(tg: TaskGroup, checkpoint: Checkpoint, config: Sche
     receiver_info = await receiver.start(tg, dw.pool.data, records[1])
     await sender.start(tg, pw.pool.data, records[0])
     peer = await sender.pair(receiver_info if route is None else await route(receiver_info))
-    link = TransferLink(sender, receiver, peer, page, records[0].page_nbytes, secret)
+    link = TransferLink.local(sender, receiver, peer, page, records[0].page_nbytes, secret)
     scheduler = Scheduler(config, checkpoint.tokenizer, channel(pw), channel(dw), prefill_pages=num_pages,
                           decode_pages=num_pages, link=link)
     await scheduler.run(tg)

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 
@@ -21,7 +22,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProcess:
+class Subprocess:
+    """A kvfence process whose output goes to `log_path`."""
+
+    proc: subprocess.Popen
+    log_path: Path
+    _log: TextIO
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM, then SIGKILL after `timeout_s`; its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+class ServerProcess(Subprocess):
     def __init__(self, model: Path, *args: str, log_path: Path) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -46,11 +72,6 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log()}")
 
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text()
-
     def metric(self, name: str, **labels: str) -> float:
         """One sample of a Prometheus metric from /metrics (with `admin_key` when the server has keys)."""
         headers = {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
@@ -67,16 +88,6 @@ class ServerProcess:
         roles = ("colocated",) if colocated else ("prefill", "decode")
         return {role: self.metric("kvfence_kv_pages", role=role, state="in_use") for role in roles}
 
-    def stop(self, timeout_s: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 def serving(srv: ServerProcess) -> Iterator[ServerProcess]:
@@ -88,3 +99,40 @@ def serving(srv: ServerProcess) -> Iterator[ServerProcess]:
     finally:
         code = srv.stop()
         assert code == 0, srv.log()
+
+
+class WorkerProcess(Subprocess):
+    """`kvfence worker` as a real subprocess, its control port on loopback (or `host`)."""
+
+    def __init__(self, model: Path, role: str, *args: str, log_path: Path, host: str = "127.0.0.1",
+                 prefix: tuple[str, ...] = ()) -> None:
+        """`prefix`: run it under this command (e.g. `ip netns exec NAME`)."""
+        self.role = role
+        self.port = free_port()
+        self.control = f"{host}:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "kvfence.app.cli", "worker", "--role", role, "--control", self.control,
+             "--model", str(model), *args],
+            stdout=self._log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", KVFENCE_KV_SANITIZER="true"))
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} worker exited with {self.proc.returncode}:\n{self.log()}")
+            if "ready for its scheduler" in self.log():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.role} worker not ready after {timeout_s} s:\n{self.log()}")
+
+
+
+def secret_file(directory: Path) -> Path:
+    """A fresh deployment secret, readable only by its owner."""
+    path = directory / "deployment.secret"
+    path.write_text(os.urandom(32).hex())
+    path.chmod(0o600)
+    return path

@@ -34,7 +34,7 @@ async def test_the_pair_serves_the_smaller_limit_known_at_pairing(tiny: Checkpoi
         paired = await pair_workers(tg, "tcp", (prefill, role_record(prefill, "m", 200)),
                                     (decode, role_record(decode, "m", 200)), DeploymentSecret.generate())
         assert paired.max_context_tokens == 80
-        assert paired.link.peer.info.record.max_context_tokens == 80
+        assert paired.peer.info.record.max_context_tokens == 80
         for endpoint in paired.endpoints:
             await endpoint.aclose()
 
@@ -81,6 +81,6 @@ async def test_each_role_listens_where_its_options_say(tiny: Checkpoint) -> None
         paired = await pair_workers(tg, transport.name, (prefill, role_record(prefill, "m", 64)),
                                     (decode, role_record(decode, "m", 64)), DeploymentSecret.generate(),
                                     role_options={r: transport.endpoint_options(r) for r in ("prefill", "decode")})
-        assert paired.link.peer.info.address == f"127.0.0.1:{port}"
+        assert paired.peer.info.address == f"127.0.0.1:{port}"
         for endpoint in paired.endpoints:
             await endpoint.aclose()

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from serving_harness import start_serving
+from serving_harness import Serving, compute_thread, start_serving
 
-from kvfence.app.readiness import ReadinessCanary
+from kvfence.app.readiness import ReadinessCanary, Reference, local_reference
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.request import State
+
+
+def reference(serving: Serving, tiny: Checkpoint) -> Reference:
+    """The prefill worker's own answer, as a server in one process computes it."""
+    return local_reference(compute_thread(), serving.workers[0].runner.model, tiny.tokenizer,
+                           serving.scheduler.config.page_size_tokens)
 
 
 @pytest.mark.anyio
@@ -21,7 +27,7 @@ async def test_canary_passes_then_fails_when_the_transfer_path_breaks(tiny: Chec
                              transfer_timeout_s=5)
     async with anyio.create_task_group() as tg:
         serving = await start_serving(tg, tiny, mode, config, num_pages=64)
-        canary = ReadinessCanary(serving.scheduler, tiny.tokenizer, serving.workers[0].runner.model,
+        canary = ReadinessCanary(serving.scheduler, tiny.tokenizer, reference(serving, tiny),
                                  interval_s=3600, timeout_s=10)
         assert not canary.passed  # not ready before the first canary
         assert await canary.check_once()
@@ -42,7 +48,7 @@ async def test_wrong_answer_fails_the_canary(tiny: Checkpoint) -> None:
     config = SchedulerConfig(page_size_tokens=4, max_context_tokens=128, disaggregated=False)
     async with anyio.create_task_group() as tg:
         serving = await start_serving(tg, tiny, "colocated", config, num_pages=64)
-        canary = ReadinessCanary(serving.scheduler, tiny.tokenizer, serving.workers[0].runner.model,
+        canary = ReadinessCanary(serving.scheduler, tiny.tokenizer, reference(serving, tiny),
                                  interval_s=3600, timeout_s=10)
         assert await canary.check_once()
         canary.expected = [t + 1 for t in canary.expected or []]  # as if the path returned stale KV
@@ -63,7 +69,7 @@ async def test_canary_passes_under_a_saturating_load(tiny: Checkpoint, mode: str
     async with anyio.create_task_group() as tg:
         serving = await start_serving(tg, tiny, mode, config, num_pages=48)
         s = serving.scheduler
-        canary = ReadinessCanary(s, tiny.tokenizer, serving.workers[0].runner.model, interval_s=3600, timeout_s=10)
+        canary = ReadinessCanary(s, tiny.tokenizer, reference(serving, tiny), interval_s=3600, timeout_s=10)
         assert await canary.check_once()
         params = SamplingParams(temperature=0, max_tokens=110, ignore_eos=True)
         handles = [s.submit([5 + i, 6, 7, 8, 9, 10, 11, 12], params) for i in range(9)]

@@ -123,7 +123,8 @@ async def test_b_never_sees_a_canary(smollm2: Checkpoint, transport: str, faults
             while s.in_flight():
                 await anyio.sleep(0.01)
         if faults:  # every fault of the plan really fired during the load
-            assert set(s.link.sender.injected) == FaultPlan.parse(faults).kinds(), s.link.sender.injected
+            injected = s.link.sender.transport.injected  # type: ignore[union-attr]
+            assert set(injected) == FaultPlan.parse(faults).kinds(), injected
         # back to baseline, but for what an unacknowledged cancel keeps quarantined (`stuck` only)
         held = {"prefill": s.ledger("prefill").num_quarantined, "decode": s.ledger("decode").num_quarantined}
         assert s.pages_in_use() == held

@@ -1,0 +1,77 @@
+"""`kvfence worker`: one worker (model, KV pool, KV transport endpoint) in its own process.
+
+It serves one scheduler at a time over an authenticated control connection (app/worker_server.py)
+on `--control HOST:PORT`; `kvfence serve --discovery ...` finds it and drives it. The settings are
+`kvfence serve`'s (model, dtype, pools, transport, deployment secret); `--role` says which pool it
+holds and `--device` where.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import anyio
+
+from kvfence.app.config import LISTENING_TRANSPORTS, ServeConfig
+from kvfence.app.pairing import role_record
+from kvfence.app.server import model_identity
+from kvfence.app.worker_server import KvEndpoint, WorkerServer
+from kvfence.app.workers import build_role_worker
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.registry import create_transport
+from kvfence.transports.wire.channel import listen, split_address
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+def check_worker_settings(config: ServeConfig, role: str) -> None:
+    """ValueError, naming the flag, for settings a worker in its own process cannot run with."""
+    if role not in ROLES:
+        raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    if config.transport.name not in LISTENING_TRANSPORTS:
+        raise ValueError(f"--transport {config.transport.name} moves KV only inside one process; a worker in its "
+                         f"own process needs one of {', '.join(LISTENING_TRANSPORTS)}")
+    if not config.transport.secret_file:
+        raise ValueError("a worker in its own process needs the deployment secret its scheduler and peers share: "
+                         "--transport-secret-file (or KVFENCE_TRANSPORT_SECRET_FILE)")
+
+
+async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: str, role: str, device: str,
+                     control: str, intra_op_threads: int | None = None) -> int:
+    """Serve the worker until SIGTERM/SIGINT; 0 then."""
+    check_worker_settings(config, role)
+    secret = DeploymentSecret.from_file(config.transport.secret_file)  # type: ignore[arg-type]
+    host, port = split_address(control)
+    built = build_role_worker(config, checkpoint, role, device, intra_op_threads)
+    try:
+        worker, compute, context = built.worker, built.compute, built.max_context_tokens
+        pool = worker.pool
+        model_id = model_identity(checkpoint, model_name)
+        transport = config.transport
+        endpoint = KvEndpoint(
+            lambda: create_transport(transport.name, secret=secret, **transport.endpoint_options(role)),
+            pool.data, lambda: role_record(pool, model_id, context))
+        server = WorkerServer(worker, compute, endpoint, secret, checkpoint.tokenizer, model=model_id,
+                              max_context_tokens=context)
+        listener = listen(host, port)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(server.serve, listener)
+                bound = listener.getsockname()
+                log.info("%s worker (%s, %d pages) ready for its scheduler on %s:%d; KV endpoint %s over %s",
+                         role, worker.device, pool.num_pages, bound[0], bound[1],
+                         endpoint.info.address if endpoint.info else "-", transport.name)
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("received %s: stopping the %s worker", signal.Signals(signum).name, role)
+                        break
+                tg.cancel_scope.cancel()
+        finally:
+            listener.close()
+        return 0
+    finally:
+        built.compute.close()

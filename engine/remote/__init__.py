@@ -1,0 +1,1 @@
+"""What a worker in another process speaks with its scheduler (protocol.py)."""

@@ -1,0 +1,49 @@
+"""`--discovery` and `kvfence worker` settings: a bad value is an error that names the flag and
+what to use instead, before anything starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvfence.app.cli import main
+from kvfence.app.config import ServeConfig
+from kvfence.app.discovery import Discovery, parse_discovery
+from kvfence.app.worker_process import check_worker_settings
+
+
+def test_static_discovery_lists_control_addresses() -> None:
+    assert parse_discovery("static://10.0.0.1:9301, [::1]:9302") == Discovery("static", ("10.0.0.1:9301", "[::1]:9302"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("10.0.0.1:9301", "must be static://"),
+    ("dns://workers", "must be static://"),
+    ("static://", "names no worker"),
+    ("static://10.0.0.1", "not a host:port"),
+])
+def test_bad_discovery_names_the_flag(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as e:
+        parse_discovery(text)
+    assert "--discovery" in str(e.value)
+
+
+def test_serve_refuses_bad_discovery_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--discovery", "static://nowhere"]) == 2
+    assert "--discovery" in capsys.readouterr().err
+
+
+def test_a_worker_process_needs_a_network_transport_and_the_secret(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = ServeConfig()
+    with pytest.raises(ValueError, match="--role"):
+        check_worker_settings(config, "colocated")
+    inprocess = dataclasses.replace(config, transport=dataclasses.replace(config.transport, name="inprocess"))
+    with pytest.raises(ValueError, match="moves KV only inside one process"):
+        check_worker_settings(inprocess, "prefill")
+    with pytest.raises(ValueError, match="--transport-secret-file"):
+        check_worker_settings(config, "decode")
+    secret = tmp_path / "s"
+    secret.write_text("ab" * 32)
+    ok = dataclasses.replace(config, transport=dataclasses.replace(config.transport, secret_file=str(secret)))
+    check_worker_settings(ok, "decode")

@@ -1,0 +1,194 @@
+"""Workers behind real control connections (app/worker_server.py <-> scheduler/remote_worker.py),
+in this process on loopback sockets: steps and both halves of every transfer cross the control
+channel, KV crosses a real tcp transport between the workers' own endpoints.
+
+Outputs equal the offline engine's; pages return to baseline; a peer without the deployment
+secret gets nothing; a second scheduler is refused while one owns a worker; and when the owning
+scheduler's connection drops, the worker ends everything it held (every page untagged and
+poisoned, a new incarnation, a fresh KV endpoint) and the next scheduler serves exactly again.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from serving_harness import compute_thread, make_worker, wait_idle
+
+from kvfence.app.pairing import role_record
+from kvfence.app.remote_front import WorkerSetError, pair_remote
+from kvfence.app.readiness import greedy_answer
+from kvfence.app.worker_server import KvEndpoint, WorkerServer
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.worker import Worker
+from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.driver import Scheduler
+from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.offline import OfflineEngine
+from kvfence.scheduler.remote_worker import RemoteWorker, WorkerLost
+from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.registry import create_transport
+from kvfence.transports.wire.channel import listen
+
+PAGE, PAGES, CONTEXT = 4, 64, 96
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], list(range(30, 52))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+MODEL_ID = "tiny"
+
+
+class Hosted:
+    """A worker served on a loopback control port, as `kvfence worker` serves one."""
+
+    def __init__(self, tiny: Checkpoint, role: str, secret: DeploymentSecret) -> None:
+        self.worker: Worker = make_worker(tiny, role, PAGES, PAGE)
+        pool = self.worker.pool
+        self.endpoint = KvEndpoint(lambda: create_transport("tcp", secret=secret, host="127.0.0.1"), pool.data,
+                                   lambda: role_record(pool, MODEL_ID, CONTEXT))
+        self.server = WorkerServer(self.worker, compute_thread(), self.endpoint, secret, tiny.tokenizer,
+                                   model=MODEL_ID, max_context_tokens=CONTEXT)
+        self.listener = listen("127.0.0.1", 0)
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+
+    def tags(self) -> list[int]:
+        return [self.worker.pool.owner(p) for p in range(self.worker.pool.num_pages)]
+
+
+async def host_pair(tg: anyio.abc.TaskGroup, tiny: Checkpoint, secret: DeploymentSecret) -> list[Hosted]:
+    hosted = [Hosted(tiny, role, secret) for role in ("prefill", "decode")]
+    for h in hosted:
+        await tg.start(serve_until_cancelled, h)
+    return hosted
+
+
+async def serve_until_cancelled(h: Hosted, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+    try:
+        await h.server.serve(h.listener, task_status=task_status)
+    finally:
+        h.listener.close()
+
+
+async def front(tg: anyio.abc.TaskGroup, hosted: list[Hosted], secret: DeploymentSecret,
+                tokenizer) -> tuple[Scheduler, list[RemoteWorker]]:  # type: ignore[no-untyped-def]
+    workers = [await RemoteWorker.connect(tg, h.address, secret) for h in hosted]
+    pair = await pair_remote(workers, MODEL_ID, PAGE, secret)
+    config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=pair.max_context_tokens, chunk_tokens=8,
+                             disaggregated=True, transfer_timeout_s=5)
+    scheduler = Scheduler(config, tokenizer, pair.prefill, pair.decode, prefill_pages=PAGES, decode_pages=PAGES,
+                          link=pair.link)
+    await scheduler.run(tg)
+    return scheduler, workers
+
+
+async def outputs(scheduler: Scheduler) -> list[list[int]]:
+    async def one(handle: RequestHandle) -> list[int]:
+        ids: list[int] = []
+        async for d in handle.deltas():
+            assert d.error is None, d.error
+            ids += d.token_ids
+        return ids
+
+    handles = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+    results: list[list[int]] = [[] for _ in handles]
+
+    async def into(i: int) -> None:
+        results[i] = await one(handles[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(handles)):
+            tg.start_soon(into, i)
+    return results
+
+
+def offline(tiny: Checkpoint) -> list[list[int]]:
+    model = LlamaModel(tiny, torch.float32)
+    engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 64, PAGE, torch.float32)), tiny.tokenizer)
+    return [o.generated_token_ids for o in engine.generate(PROMPTS, [GREEDY] * len(PROMPTS))]
+
+
+async def until(condition, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
+    with anyio.fail_after(timeout_s):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_remote_workers_serve_exactly_and_end_a_gone_schedulers_leases(tiny: Checkpoint) -> None:
+    want = offline(tiny)
+    secret = DeploymentSecret.generate()
+    async with anyio.create_task_group() as tg:
+        hosted = await host_pair(tg, tiny, secret)
+        async with anyio.create_task_group() as first:
+            scheduler, workers = await front(first, hosted, secret, tiny.tokenizer)
+            assert [w.role for w in workers] == ["prefill", "decode"]
+            assert await outputs(scheduler) == want
+            await wait_idle(scheduler)
+            # the canary's known answer, from the prefill worker's model alone
+            assert await workers[0].reference(PROMPTS[0], 10) == want[0]
+            # while it owns the workers, another scheduler (with the secret) is refused
+            with pytest.raises(WorkerLost, match="already serves"):
+                await RemoteWorker.connect(first, hosted[1].address, secret)
+            # pages are held (an unfinished request, and the prefix cache) when the scheduler goes
+            handle = scheduler.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+            async for d in handle.deltas():
+                if d.token_ids:
+                    break
+            incarnations = [h.worker.incarnation for h in hosted]
+            assert any(t != 0 for h in hosted for t in h.tags())
+            for w in workers:
+                w.close()
+            first.cancel_scope.cancel()
+        # each worker ended its leases: every page untagged, a new incarnation, a fresh KV endpoint
+        await until(lambda: all(h.server.served == 1 for h in hosted))
+        for h, old in zip(hosted, incarnations):
+            assert h.worker.incarnation != old and h.tags() == [0] * PAGES and h.server.owner is None
+        async with anyio.create_task_group() as second:
+            scheduler, workers = await front(second, hosted, secret, tiny.tokenizer)
+            assert await outputs(scheduler) == want
+            await wait_idle(scheduler)
+            for w in workers:
+                w.close()
+            second.cancel_scope.cancel()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_peer_without_the_secret_gets_nothing(tiny: Checkpoint) -> None:
+    secret = DeploymentSecret.generate()
+    async with anyio.create_task_group() as tg:
+        hosted = await host_pair(tg, tiny, secret)
+        with pytest.raises(WorkerLost, match="did not prove"):
+            await RemoteWorker.connect(tg, hosted[0].address, DeploymentSecret.generate())
+        # a client that speaks no handshake: the worker answers nothing and closes
+        host, port = hosted[0].address.split(":")
+        async with await anyio.connect_tcp(host, int(port)) as stream:
+            await stream.send(b'{"call_id": 1, "body": {"type": "describe"}}\n' + bytes(64))
+            with anyio.fail_after(5), pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError, OSError)):
+                await stream.receive()  # closed (or reset) without a byte
+        assert hosted[0].server.owner is None and hosted[0].server.served == 0
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_workers_that_cannot_serve_together_are_refused_with_the_reason(tiny: Checkpoint) -> None:
+    secret = DeploymentSecret.generate()
+    async with anyio.create_task_group() as tg:
+        hosted = await host_pair(tg, tiny, secret)
+        workers = [await RemoteWorker.connect(tg, h.address, secret) for h in hosted]
+        with pytest.raises(WorkerSetError, match="one prefill and one decode"):
+            await pair_remote(workers[:1], MODEL_ID, PAGE, secret)
+        with pytest.raises(WorkerSetError, match="same --model"):
+            await pair_remote(workers, "another-model", PAGE, secret)
+        with pytest.raises(WorkerSetError, match="same --page-size"):
+            await pair_remote(workers, MODEL_ID, PAGE * 2, secret)
+        for w in workers:
+            w.close()
+        tg.cancel_scope.cancel()
+
+
+def test_the_reference_is_the_models_own_greedy_answer(tiny: Checkpoint) -> None:
+    model = LlamaModel(tiny, torch.float32)
+    assert greedy_answer(model, tiny.tokenizer, PROMPTS[0], 10, PAGE) == offline(tiny)[0]
