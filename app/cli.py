@@ -54,6 +54,8 @@ def _build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--device", default="auto", help="auto, cpu or cuda:N (one worker process per GPU)")
     worker.add_argument("--control", default="127.0.0.1:0", help="HOST:PORT its scheduler connects to "
                                                                    "(authenticated with the deployment secret)")
+    worker.add_argument("--advertise", default=None, help="HOST:PORT front ends reach --control at, as registered "
+                                                          "in etcd (default: --control)")
     add_flags(worker, ServeConfig)
 
     sub.add_parser("config-reference", help="print every setting (TOML key, flag, variable, default) as markdown")
@@ -195,7 +197,8 @@ def _worker(args: argparse.Namespace) -> int:
                                                                         pick_device(args.device)).itemsize))
     checkpoint = load_checkpoint(path)
     name = config.served_model_name or served_name(config.model)
-    return anyio.run(run_worker, config, checkpoint, name, args.role, args.device, args.control, intra_op_threads)
+    return anyio.run(run_worker, config, checkpoint, name, args.role, args.device, args.control, args.advertise,
+                     intra_op_threads)
 
 
 def _read_model_config(path: Path):  # -> ModelConfig

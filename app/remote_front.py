@@ -20,6 +20,7 @@ import torch
 
 from kvfence.app.config import ServeConfig
 from kvfence.app.discovery import parse_discovery
+from kvfence.app.membership import find_workers
 from kvfence.app.server import model_identity, serve_http
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.scheduler.driver import Scheduler
@@ -96,6 +97,16 @@ async def pair_remote(workers: list[RemoteWorker], model_id: str, page_size_toke
     return RemotePair(prefill, decode, link, context)
 
 
+async def _registered_pair(host: str, port: int) -> list[str]:
+    """The control addresses of a prefill and a decode worker registered in etcd (the first of
+    each role, when there are more: one pair serves for now)."""
+    found = await find_workers(host, port, CONNECT_WAIT_S)
+    pair = [next(r for r in found if r.role == role) for role in ("prefill", "decode")]
+    log.info("etcd at %s:%d lists %d workers; serving with %s", host, port, len(found),
+             " and ".join(f"the {r.role} worker at {r.control} (incarnation {r.incarnation})" for r in pair))
+    return [r.control for r in pair]
+
+
 async def serve_remote(config: ServeConfig, checkpoint: Checkpoint, model_name: str) -> int:
     """Serve through the discovered workers until SIGTERM/SIGINT drained (0); 1 when they cannot
     be reached or used together (logged)."""
@@ -108,11 +119,14 @@ async def serve_remote(config: ServeConfig, checkpoint: Checkpoint, model_name: 
     async with anyio.create_task_group() as tg:
         workers: list[RemoteWorker] = []
         try:
-            for address in discovery.addresses:
+            addresses = list(discovery.addresses)
+            if discovery.etcd is not None:
+                addresses = await _registered_pair(*discovery.etcd)
+            for address in addresses:
                 workers.append(await connect_when_up(tg, address, secret))
             pair = await pair_remote(workers, model_identity(checkpoint, model_name),
                                      config.pools.page_size_tokens, secret)
-        except (WorkerLost, WorkerSetError, PairingRefused) as e:
+        except (WorkerLost, WorkerSetError, PairingRefused, TimeoutError) as e:
             log.error("cannot serve through the discovered workers: %s", e)
             for w in workers:
                 w.close()

@@ -14,6 +14,8 @@ import signal
 import anyio
 
 from kvfence.app.config import LISTENING_TRANSPORTS, ServeConfig
+from kvfence.app.discovery import parse_discovery
+from kvfence.app.membership import Registration, register_worker
 from kvfence.app.pairing import role_record
 from kvfence.app.server import model_identity
 from kvfence.app.worker_server import KvEndpoint, WorkerServer
@@ -28,6 +30,13 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 
 
+def registration(server: WorkerServer, control: str, transport: str) -> Registration:
+    """What etcd says of this worker now (its incarnation changes when its scheduler goes)."""
+    d = server.describe()
+    return Registration(d.role, d.incarnation, control, d.device, d.num_pages, transport,
+                        d.endpoint.address if d.endpoint else "")
+
+
 def check_worker_settings(config: ServeConfig, role: str) -> None:
     """ValueError, naming the flag, for settings a worker in its own process cannot run with."""
     if role not in ROLES:
@@ -35,17 +44,24 @@ def check_worker_settings(config: ServeConfig, role: str) -> None:
     if config.transport.name not in LISTENING_TRANSPORTS:
         raise ValueError(f"--transport {config.transport.name} moves KV only inside one process; a worker in its "
                          f"own process needs one of {', '.join(LISTENING_TRANSPORTS)}")
+    if config.discovery and parse_discovery(config.discovery).etcd is None:
+        raise ValueError("a worker registers itself only in etcd: --discovery etcd://HOST:PORT (or none, for a "
+                         "front end that lists the workers with static://)")
     if not config.transport.secret_file:
         raise ValueError("a worker in its own process needs the deployment secret its scheduler and peers share: "
                          "--transport-secret-file (or KVFENCE_TRANSPORT_SECRET_FILE)")
 
 
 async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: str, role: str, device: str,
-                     control: str, intra_op_threads: int | None = None) -> int:
-    """Serve the worker until SIGTERM/SIGINT; 0 then."""
+                     control: str, advertise: str | None = None, intra_op_threads: int | None = None) -> int:
+    """Serve the worker until SIGTERM/SIGINT; 0 then. With `--discovery etcd://...` it registers
+    there (app/membership.py) under `advertise` (default: `control`), and revokes that last."""
     check_worker_settings(config, role)
     secret = DeploymentSecret.from_file(config.transport.secret_file)  # type: ignore[arg-type]
     host, port = split_address(control)
+    if advertise is None and host in ("0.0.0.0", "::"):
+        raise ValueError(f"--control {control} listens on every address: say which one front ends reach it at "
+                         "with --advertise HOST:PORT")
     built = build_role_worker(config, checkpoint, role, device, intra_op_threads)
     try:
         worker, compute, context = built.worker, built.compute, built.max_context_tokens
@@ -65,6 +81,10 @@ async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: st
                 log.info("%s worker (%s, %d pages) ready for its scheduler on %s:%d; KV endpoint %s over %s",
                          role, worker.device, pool.num_pages, bound[0], bound[1],
                          endpoint.info.address if endpoint.info else "-", transport.name)
+                etcd = parse_discovery(config.discovery).etcd if config.discovery else None
+                if etcd is not None:
+                    advertised = advertise or f"{host}:{bound[1]}"
+                    tg.start_soon(register_worker, *etcd, lambda: registration(server, advertised, transport.name))
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
                         log.info("received %s: stopping the %s worker", signal.Signals(signum).name, role)

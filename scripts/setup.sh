@@ -17,8 +17,9 @@ fi
 
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
-# Debian libraries the mooncake transport loads (RDMA verbs are linked even for its tcp protocol).
-APT_LIBS="libibverbs1 librdmacm1 libnuma1"
+# Debian packages: the libraries the mooncake transport loads (RDMA verbs are linked even for its
+# tcp protocol), etcd (worker membership; the tests start their own) and iproute2 (the tests' hosts).
+APT_LIBS="libibverbs1 librdmacm1 libnuma1 etcd-server iproute2"
 missing_libs() { for p in $APT_LIBS; do dpkg -s "$p" >/dev/null 2>&1 || printf '%s ' "$p"; done; }
 if command -v dpkg >/dev/null 2>&1 && [ -n "$(missing_libs)" ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
@@ -26,7 +27,7 @@ if command -v dpkg >/dev/null 2>&1 && [ -n "$(missing_libs)" ]; then
   # shellcheck disable=SC2046
   $SUDO apt-get install -y -q $(missing_libs) >/dev/null 2>&1 \
     || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q $(missing_libs) >/dev/null; } \
-    || log "could not install $APT_LIBS: the mooncake transport will be unavailable"
+    || log "could not install $(missing_libs): the mooncake transport, or etcd discovery, will be unavailable"
 fi
 
 # torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build, while 2.13.0

@@ -13,13 +13,16 @@ from kvfence.app.discovery import Discovery, parse_discovery
 from kvfence.app.worker_process import check_worker_settings
 
 
-def test_static_discovery_lists_control_addresses() -> None:
+def test_static_discovery_lists_control_addresses_and_etcd_names_one_endpoint() -> None:
     assert parse_discovery("static://10.0.0.1:9301, [::1]:9302") == Discovery("static", ("10.0.0.1:9301", "[::1]:9302"))
+    assert parse_discovery("etcd://10.0.0.1:2379").etcd == ("10.0.0.1", 2379)
+    assert parse_discovery("static://10.0.0.1:9301").etcd is None
 
 
 @pytest.mark.parametrize("text, message", [
     ("10.0.0.1:9301", "must be static://"),
     ("dns://workers", "must be static://"),
+    ("etcd://10.0.0.1:2379,10.0.0.2:2379", "one etcd endpoint"),
     ("static://", "names no worker"),
     ("static://10.0.0.1", "not a host:port"),
 ])
@@ -43,6 +46,9 @@ def test_a_worker_process_needs_a_network_transport_and_the_secret(tmp_path) -> 
         check_worker_settings(inprocess, "prefill")
     with pytest.raises(ValueError, match="--transport-secret-file"):
         check_worker_settings(config, "decode")
+    listed = dataclasses.replace(config, discovery="static://10.0.0.1:9301")
+    with pytest.raises(ValueError, match="only in etcd"):
+        check_worker_settings(listed, "decode")
     secret = tmp_path / "s"
     secret.write_text("ab" * 32)
     ok = dataclasses.replace(config, transport=dataclasses.replace(config.transport, secret_file=str(secret)))

@@ -1,6 +1,7 @@
 """Prefill and decode workers each in their own process (`kvfence worker`), driven by a front end
-in a third (`kvfence serve --discovery static://...`): the KV crosses between two processes over
-tcp, nixl and mooncake, and answers equal the greedy references through the official openai
+in a third (`kvfence serve --discovery etcd://...` over tcp, where the workers register in a real
+etcd; `static://...` over the others): the KV crosses between two processes over tcp, nixl and
+mooncake, and answers equal the greedy references through the official openai
 client. Stopping the front end ends its leases on both workers; a new front end serves exactly
 again. A front end without the deployment secret gets nothing from the workers."""
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from etcd_server import EtcdServer
 from server_process import ServerProcess, WorkerProcess, secret_file
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -20,10 +22,15 @@ POOLS = ("--max-context", "2048", "--prefill-num-pages", "256", "--decode-num-pa
 
 
 class Deployment:
+    """Two workers and a front end; over tcp they find each other through a real etcd, over the
+    others through a static list."""
+
     def __init__(self, model: Path, transport: str, directory: Path) -> None:
         self.model, self.transport, self.directory = model, transport, directory
         self.secret = secret_file(directory)
-        common = ("--transport", transport, "--transport-secret-file", str(self.secret), *POOLS)
+        self.etcd = EtcdServer(directory) if transport == "tcp" else None
+        registering = ("--discovery", f"etcd://{self.etcd.address}") if self.etcd else ()
+        common = ("--transport", transport, "--transport-secret-file", str(self.secret), *POOLS, *registering)
         self.workers = [WorkerProcess(model, role, *common, log_path=directory / f"{role}.log")
                         for role in ("prefill", "decode")]
         for w in self.workers:
@@ -33,7 +40,8 @@ class Deployment:
 
     def start_front(self, *extra: str) -> ServerProcess:
         self.fronts += 1
-        discovery = "static://" + ",".join(w.control for w in self.workers)
+        discovery = f"etcd://{self.etcd.address}" if self.etcd else "static://" + ",".join(w.control
+                                                                                          for w in self.workers)
         front = ServerProcess(self.model, "--discovery", discovery, "--transport-secret-file", str(self.secret),
                               "--canary-interval", "3600", "--chunk-tokens", "256", *extra,
                               log_path=self.directory / f"front{self.fronts}.log")
@@ -41,6 +49,8 @@ class Deployment:
 
     def stop(self) -> None:
         codes = {"front": self.front.stop(), **{w.role: w.stop() for w in self.workers}}
+        if self.etcd is not None:
+            self.etcd.stop()
         assert all(c == 0 for c in codes.values()), (codes, self.front.log(), *(w.log() for w in self.workers))
 
 
@@ -84,6 +94,8 @@ def test_workers_in_their_own_processes_serve_the_references(deployment: Deploym
     moved = deployment.front.metric("kvfence_kv_transfers_total", result="ok")
     assert moved >= len(reference["cases"])  # every prompt's KV crossed from one process to the other
     log = deployment.front.log()
+    if deployment.etcd is not None:
+        assert "etcd at" in log and "lists 2 workers" in log, log
     assert re.search(rf"paired the prefill worker at \S+ -> the decode worker at \S+ over {deployment.transport}",
                      log), log
 

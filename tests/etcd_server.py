@@ -1,0 +1,60 @@
+"""A real etcd (Debian's etcd-server) for tests: its own free ports and data directory, started and
+stopped by the test."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ETCD = shutil.which("etcd")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def need_etcd() -> None:
+    if ETCD is None:
+        pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server)")
+
+
+class EtcdServer:
+    def __init__(self, directory: Path) -> None:
+        need_etcd()
+        self.directory = directory
+        self.port, self.peer_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start (again, on the same ports and data) and wait until it answers."""
+        url, peer = f"http://{self.address}", f"http://127.0.0.1:{self.peer_port}"
+        self._log = open(self.directory / "etcd.log", "a")
+        self.proc = subprocess.Popen(
+            [ETCD, "--data-dir", str(self.directory / "data"), "--listen-client-urls", url,
+             "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"default={peer}"], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).json().get("health") == "true":
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"etcd not healthy after 30 s:\n{(self.directory / 'etcd.log').read_text()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self._log.close()
