@@ -163,7 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
         resolve_context(config, model, plan_pools(config, model, element_size))
     else:
         parse_discovery(config.discovery)
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, weights=config.discovery is None)  # the workers hold the weights
     name = config.served_model_name or served_name(config.model)
     return anyio.run(serve, config, checkpoint, name, intra_op_threads)
 

@@ -6,7 +6,8 @@ At start it connects to every worker discovery names (waiting for workers still 
 checks that they form a prefill and a decode worker of this model with this page size, pairs
 the prefill worker's sender with the decode worker's receiver (a mismatch refuses the pair as a
 whole, as in one process), and serves the smaller of their context limits. The readiness
-canary's known answer comes from the prefill worker's model alone (its `Reference` call).
+canary's known answer comes from the prefill worker's model alone (its `Reference` call). The
+front end itself loads only the model's config and tokenizer (`load_checkpoint(weights=False)`).
 """
 
 from __future__ import annotations

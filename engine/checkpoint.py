@@ -88,13 +88,14 @@ def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source:
             raise CheckpointError(f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Load a GGUF file or a Hugging Face model directory."""
+def load_checkpoint(path: str | Path, weights: bool = True) -> Checkpoint:
+    """Load a GGUF file or a Hugging Face model directory. Without `weights`: its config and
+    tokenizer only (`tensors` is empty: what a front end whose workers run elsewhere needs)."""
     from kvfence.engine import gguf_loader, hf_loader
 
     p = Path(path)
     if p.is_dir():
-        return hf_loader.load_hf_dir(p)
+        return hf_loader.load_hf_dir(p, weights)
     if p.is_file():
-        return gguf_loader.load_gguf(p)
+        return gguf_loader.load_gguf(p, weights)
     raise CheckpointError(f"{p}: no such file or directory")

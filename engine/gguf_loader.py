@@ -152,14 +152,15 @@ def _dequantize(t: Any, path: Path) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def load_gguf(path: Path) -> Checkpoint:
-    """Load `path`; raise CheckpointError (or UnsupportedModelError) with the file named."""
+def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
+    """Load `path` (without `weights`: its config and tokenizer only); raise CheckpointError (or
+    UnsupportedModelError) with the file named."""
     reader = _open(path)
     config = config_from_fields(reader, path)
     size = path.stat().st_size
     tensors: dict[str, torch.Tensor] = {}
     rope_freq_factors = None
-    for t in reader.tensors:
+    for t in reader.tensors if weights else ():
         if int(t.data_offset) + int(t.n_bytes) > size:
             raise CheckpointError(f"{path}: truncated, tensor {t.name} ends past the end of the file")
         if t.name == "rope_freqs.weight":
@@ -175,7 +176,8 @@ def load_gguf(path: Path) -> Checkpoint:
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 w = unpermute_qk(w, config.num_kv_heads)
         tensors[name] = w
-    check_tensors(config, tensors, str(path))
+    if weights:
+        check_tensors(config, tensors, str(path))
     tokenizer = tokenizer_from_gguf_fields(lambda key: _field(reader, key), str(path))
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
                       rope_freq_factors=rope_freq_factors)

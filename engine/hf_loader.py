@@ -71,7 +71,7 @@ def _shard_files(directory: Path) -> list[Path]:
     return files
 
 
-def load_hf_dir(directory: Path) -> Checkpoint:
+def load_hf_dir(directory: Path, weights: bool = True) -> Checkpoint:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -84,11 +84,12 @@ def load_hf_dir(directory: Path) -> Checkpoint:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
     config = config_from_hf(raw, str(directory))
     tensors: dict[str, torch.Tensor] = {}
-    for shard in _shard_files(directory):
+    for shard in _shard_files(directory) if weights else ():
         try:
             tensors.update(load_file(str(shard)))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{shard}: cannot read safetensors ({e})") from e
-    check_tensors(config, tensors, str(directory))
+    if weights:
+        check_tensors(config, tensors, str(directory))
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer_from_hf_dir(directory),
                       source=str(directory))

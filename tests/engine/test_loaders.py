@@ -280,3 +280,14 @@ def test_hf_truncated_safetensors(tmp_path: Path, good_pair: tuple[Path, Path]) 
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(hf_dir)
     assert str(shard) in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "hf"])
+def test_a_checkpoint_without_weights_has_the_same_config_and_tokenizer(tmp_path: Path, kind: str) -> None:
+    """What a front end whose workers hold the weights loads: the model's identity and its tokenizer."""
+    gguf_path, hf_dir, _ = make_tiny_pair(tmp_path, seed=5, spec=TinySpec())
+    path = gguf_path if kind == "gguf" else hf_dir
+    full, light = load_checkpoint(path), load_checkpoint(path, weights=False)
+    assert light.tensors == {} and light.config == full.config
+    text = "<|im_start|>user\nhello world<|im_end|>\n"
+    assert light.tokenizer.encode(text) == full.tokenizer.encode(text)
