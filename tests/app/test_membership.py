@@ -11,7 +11,7 @@ import anyio
 import pytest
 from etcd_server import EtcdServer
 
-from kvfence.app.membership import Registration, find_workers, register_worker, registered_workers
+from kvfence.app.membership import ETCD_ERRORS, Registration, find_workers, register_worker, registered_workers
 
 
 def reg(role: str, incarnation: str) -> Registration:
@@ -24,7 +24,7 @@ async def until(etcd: EtcdServer, want: set[str], timeout_s: float = 15) -> None
             try:
                 if {r.incarnation for r in await registered_workers("127.0.0.1", etcd.port)} == want:
                     return
-            except OSError:
+            except ETCD_ERRORS:  # etcd not back yet: gRPC's connection backs off a while after a restart
                 pass
             await anyio.sleep(0.1)
 
