@@ -122,8 +122,8 @@ def body_too_large(max_bytes: int, declared_bytes: int | None) -> RequestError:
 # 5xx codes whose messages the server words for clients itself (limits, retry hints, no exception
 # text). Every other 5xx message may carry a worker's or a transport's exception text: the client
 # gets the wording below (or the generic one) and the detail stays in the log.
-_CLIENT_WORDED_5XX = frozenset({"overloaded", "worker_restarted", "kv_integrity_error", "kv_pages_quarantined",
-                                "internal_error"})
+_CLIENT_WORDED_5XX = frozenset({"overloaded", "worker_restarted", "worker_lost", "kv_integrity_error",
+                                "kv_pages_quarantined", "internal_error"})
 _USER_TERMS_5XX = {
     "worker_error": "The model failed while computing this request; it was stopped and nothing more will be "
                     "sent. Retry the request.",

@@ -8,6 +8,9 @@ SIGTERM revokes the lease last; a worker that dies stops refreshing and its key 
 lease. When etcd is unreachable the worker keeps retrying and registers again, under a new lease,
 once etcd is back (an etcd restart loses nothing for long).
 
+Front ends list the prefix and watch it (`watch_workers`), listing again after every change and
+every few seconds regardless, so a watch lost to an etcd restart costs seconds, not membership.
+
 What etcd says is only where to look. A front end (`find_workers`) connects to the control
 address a registration names and trusts nothing of it: the worker must pass the deployment-secret
 handshake, and what the front end serves with is the worker's own `Description`, given over the
@@ -17,7 +20,7 @@ authenticated connection. A forged registration leads to a peer that gets nothin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aetcd
 import anyio
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = b"/kvfence/workers/"
 TTL_S = 5  # a dead worker's key outlives it by at most this
+RELIST_S = 5.0  # a front end lists the workers at least this often, watch or not
 ETCD_ERRORS = (aetcd.ClientError, OSError)
 
 
@@ -62,14 +66,20 @@ async def register_worker(host: str, port: int, current: Callable[[], Registrati
                 try:
                     await _keep_registered(client, lease, current, ttl_s)
                 finally:
-                    with anyio.move_on_after(2, shield=True):
-                        try:
-                            await lease.revoke()
-                        except ETCD_ERRORS:
-                            pass
+                    await _on_the_way_out(lease.revoke)
         except ETCD_ERRORS as e:
             log.warning("etcd at %s:%d: %s; registering again in 1 s", host, port, e or type(e).__name__)
             await anyio.sleep(1)
+
+
+async def _on_the_way_out(undo: Callable[[], Awaitable[object]]) -> None:
+    """Await `undo()` for up to 2 s, even when cancelled; an etcd error is ignored (etcd forgets
+    a lease or a watch by itself when the client is gone)."""
+    with anyio.move_on_after(2, shield=True):
+        try:
+            await undo()
+        except ETCD_ERRORS:
+            pass
 
 
 async def _keep_registered(client: aetcd.Client, lease: aetcd.Lease, current: Callable[[], Registration],
@@ -92,13 +102,39 @@ async def _keep_registered(client: aetcd.Client, lease: aetcd.Lease, current: Ca
 async def registered_workers(host: str, port: int) -> list[Registration]:
     """Every worker registered now (undecodable values are skipped, and logged)."""
     async with etcd_client(host, port) as client:
-        found = []
-        for kv in await client.get_prefix(PREFIX):
-            try:
-                found.append(_decoder.decode(kv.value))
-            except msgspec.DecodeError as e:
-                log.warning("etcd key %s is not a worker registration (%s): ignored", kv.key, e)
-        return found
+        return await _listed(client)
+
+
+async def _listed(client: aetcd.Client) -> list[Registration]:
+    found = []
+    for kv in await client.get_prefix(PREFIX):
+        try:
+            found.append(_decoder.decode(kv.value))
+        except msgspec.DecodeError as e:
+            log.warning("etcd key %s is not a worker registration (%s): ignored", kv.key, e)
+    return found
+
+
+async def watch_workers(host: str, port: int, on_change: Callable[[list[Registration]], None], *,
+                        relist_s: float = RELIST_S) -> None:
+    """Until cancelled, call `on_change` with every worker registered: at once, after every change
+    etcd's watch of the prefix reports, and every `relist_s` in any case (a watch that a restart
+    of etcd broke silently costs at most that). While etcd is unreachable it retries every second;
+    `on_change` is not called then (what was listed last stands)."""
+    while True:
+        try:
+            async with etcd_client(host, port) as client:
+                watch = await client.watch_prefix(PREFIX)
+                try:
+                    while True:
+                        on_change(await _listed(client))
+                        with anyio.move_on_after(relist_s):
+                            await anext(aiter(watch))  # the next change (or none: list again anyway)
+                finally:
+                    await _on_the_way_out(watch.cancel)
+        except (*ETCD_ERRORS, StopAsyncIteration) as e:
+            log.warning("watching etcd at %s:%d: %s; again in 1 s", host, port, e or type(e).__name__)
+            await anyio.sleep(1)
 
 
 async def find_workers(host: str, port: int, wait_s: float) -> list[Registration]:

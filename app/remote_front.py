@@ -3,11 +3,15 @@ in their own processes (`kvfence worker`, app/worker_process.py) over authentica
 connections (scheduler/remote_worker.py).
 
 At start it connects to every worker discovery names (waiting for workers still loading),
-checks that they form a prefill and a decode worker of this model with this page size, pairs
-the prefill worker's sender with the decode worker's receiver (a mismatch refuses the pair as a
-whole, as in one process), and serves the smaller of their context limits. The readiness
-canary's known answer comes from the prefill worker's model alone (its `Reference` call). The
-front end itself loads only the model's config and tokenizer (`load_checkpoint(weights=False)`).
+checks each (this model, this page size, a KV endpoint), and pairs every prefill worker's sender
+with every decode worker's receiver (a mismatch refuses that pair as a whole, as in one process);
+each pair serves the smaller of its two context limits, and it serves while at least one pair
+formed. While serving, the `Fleet` follows membership: a worker whose control connection drops is
+lost to the scheduler at once (its requests are retried or fail with 503 worker_lost), a worker
+that registers (etcd) or comes back at a listed address (static) joins and pairs, and a
+registration that expires closes its worker's connection. The readiness canary's known answer
+comes from a prefill worker's model alone (its `Reference` call). The front end itself loads only
+the model's config and tokenizer (`load_checkpoint(weights=False)`).
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ import anyio
 import torch
 
 from kvfence.app.config import ServeConfig
-from kvfence.app.discovery import parse_discovery
-from kvfence.app.membership import find_workers
+from kvfence.app.discovery import Discovery, parse_discovery
+from kvfence.app.membership import Registration, find_workers, watch_workers
 from kvfence.app.server import model_identity, serve_http
+from kvfence.app.sizing import configured_context
 from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.metrics import SchedulerMetrics
-from kvfence.scheduler.remote_worker import RemoteReceivingEnd, RemoteSendingEnd, RemoteWorker, WorkerLost
+from kvfence.engine.protocol import WorkerLost
+from kvfence.scheduler.remote_worker import RemoteReceivingEnd, RemoteSendingEnd, RemoteWorker
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRefused
 from kvfence.transports.core.secret import AuthenticationFailed, DeploymentSecret
@@ -64,33 +72,34 @@ async def connect_when_up(tg: anyio.abc.TaskGroup, address: str, secret: Deploym
             await anyio.sleep(0.5)
 
 
-async def pair_remote(workers: list[RemoteWorker], model_id: str, page_size_tokens: int,
+def check_worker(worker: RemoteWorker, model_id: str, page_size_tokens: int) -> None:
+    """WorkerSetError when `worker` cannot serve with this front end: not a prefill or decode
+    worker, another model, another page size, or no KV endpoint."""
+    d = worker.description
+    assert d is not None
+    if d.role not in ("prefill", "decode"):
+        raise WorkerSetError(f"the worker at {worker.address} is {d.role}: a front end drives prefill and decode "
+                             "workers (start them with --role prefill or --role decode)")
+    if d.model != model_id:
+        raise WorkerSetError(f"the {d.role} worker at {worker.address} serves {d.model}, this front end {model_id}: "
+                             "start every process with the same --model")
+    if d.page_size_tokens != page_size_tokens:
+        raise WorkerSetError(f"the {d.role} worker at {worker.address} has pages of {d.page_size_tokens} tokens, this "
+                             f"front end {page_size_tokens}: start every process with the same --page-size")
+    if d.endpoint is None:
+        raise WorkerSetError(f"the {d.role} worker at {worker.address} has no KV transport endpoint")
+
+
+async def pair_remote(prefill: RemoteWorker, decode: RemoteWorker, page_size_tokens: int,
                       secret: DeploymentSecret) -> RemotePair:
-    """The prefill and the decode worker among `workers`, paired. WorkerSetError when they are not
-    exactly one of each, of this model and page size; PairingRefused when their pools disagree."""
-    by_role: dict[str, list[RemoteWorker]] = {}
-    for w in workers:
-        by_role.setdefault(w.role, []).append(w)
-    if sorted(by_role) != ["decode", "prefill"] or any(len(ws) != 1 for ws in by_role.values()):
-        found = ", ".join(f"{w.role} at {w.address}" for w in workers)
-        raise WorkerSetError(f"serving needs one prefill and one decode worker; discovery found {found}")
-    (prefill,), (decode,) = by_role["prefill"], by_role["decode"]
-    for w in (prefill, decode):
-        d = w.description
-        assert d is not None
-        if d.model != model_id:
-            raise WorkerSetError(f"the {d.role} worker at {w.address} serves {d.model}, this front end {model_id}: "
-                                 "start every process with the same --model")
-        if d.page_size_tokens != page_size_tokens:
-            raise WorkerSetError(f"the {d.role} worker at {w.address} has pages of {d.page_size_tokens} tokens, this "
-                                 f"front end {page_size_tokens}: start every process with the same --page-size")
-    endpoint = decode.description.endpoint if decode.description else None
-    if endpoint is None:
-        raise WorkerSetError(f"the decode worker at {decode.address} has no KV transport endpoint")
+    """Pair checked workers: `prefill`'s sender with `decode`'s receiver. PairingRefused when their
+    pools disagree on the bytes (the pair is refused as a whole); WorkerLost when either goes."""
+    assert prefill.description is not None and decode.description is not None
+    endpoint = decode.description.endpoint
+    assert endpoint is not None
     record = await prefill.pair_with(endpoint)
-    assert prefill.description is not None
     context = min(prefill.description.max_context_tokens, record.max_context_tokens)
-    link = TransferLink(RemoteSendingEnd(prefill), RemoteReceivingEnd(decode), record.incarnation,
+    link = TransferLink(RemoteSendingEnd(prefill, endpoint.address), RemoteReceivingEnd(decode), record.incarnation,
                         page_size_tokens, record.page_nbytes, secret)
     log.info("paired the prefill worker at %s -> the decode worker at %s over %s (%s); context limits %d and %d "
              "tokens, serving %d", prefill.address, decode.address, endpoint.transport, endpoint.address,
@@ -98,52 +107,189 @@ async def pair_remote(workers: list[RemoteWorker], model_id: str, page_size_toke
     return RemotePair(prefill, decode, link, context)
 
 
-async def _registered_pair(host: str, port: int) -> list[str]:
-    """The control addresses of a prefill and a decode worker registered in etcd (the first of
-    each role, when there are more: one pair serves for now)."""
+class Fleet:
+    """The workers one front end serves through, by control address. Each is connected,
+    authenticated and checked once, then paired with every worker of the other role (a refused
+    pair is logged and left out; its workers serve in their other pairs). Pairs go to the
+    scheduler as they form (before it exists: `pairs`); a worker whose connection drops is lost to
+    the scheduler at once, and with `rejoin` its address is connected to again until a worker
+    serves there (a new incarnation)."""
+
+    def __init__(self, tg: anyio.abc.TaskGroup, secret: DeploymentSecret, model_id: str, page_size_tokens: int,
+                 *, rejoin: bool) -> None:
+        self.tg, self.secret, self.model_id, self.page_size_tokens = tg, secret, model_id, page_size_tokens
+        self.rejoin = rejoin
+        self.workers: dict[str, RemoteWorker] = {}
+        self.pairs: list[RemotePair] = []
+        self.scheduler: Scheduler | None = None
+        self._joining: set[str] = set()
+
+    async def join(self, address: str, wait_s: float = CONNECT_WAIT_S) -> bool:
+        """Connect to the worker at `address` and pair it with the others; False (logged) when it
+        cannot serve here."""
+        if address in self.workers or address in self._joining:
+            return True
+        self._joining.add(address)
+        try:
+            try:
+                worker = await connect_when_up(self.tg, address, self.secret, wait_s)
+            except WorkerLost as e:
+                log.error("cannot use the worker at %s: %s", address, e)
+                return False
+            try:
+                check_worker(worker, self.model_id, self.page_size_tokens)
+            except WorkerSetError as e:
+                log.error("the worker at %s cannot serve with this front end: %s", address, e)
+                worker.close()
+                return False
+            self.workers[address] = worker
+            self.tg.start_soon(self._watch, worker, name=f"watch-{address}")
+            for other in [w for w in self.workers.values() if w.role != worker.role]:
+                await self._pair(*((worker, other) if worker.role == "prefill" else (other, worker)))
+            return True
+        finally:
+            self._joining.discard(address)
+
+    def leave(self, address: str) -> None:
+        """The worker at `address` left membership: its connection is closed (so it is lost)."""
+        worker = self.workers.get(address)
+        if worker is not None:
+            log.warning("the %s worker at %s is no longer registered: its connection is closed", worker.role, address)
+            worker.close()
+
+    async def _pair(self, prefill: RemoteWorker, decode: RemoteWorker) -> None:
+        try:
+            pair = await pair_remote(prefill, decode, self.page_size_tokens, self.secret)
+        except (PairingRefused, WorkerLost) as e:
+            log.error("the pair prefill worker at %s -> decode worker at %s is refused as a whole: %s",
+                      prefill.address, decode.address, e)
+            return
+        if prefill.lost.is_set() or decode.lost.is_set():
+            return
+        if self.scheduler is None:
+            self.pairs.append(pair)
+        else:
+            self.scheduler.add_pair(*_pair_args(pair))
+
+    async def _watch(self, worker: RemoteWorker) -> None:
+        await worker.lost.wait()
+        if self.workers.get(worker.address) is worker:
+            del self.workers[worker.address]
+        self.pairs = [p for p in self.pairs if worker not in (p.prefill, p.decode)]
+        if self.scheduler is not None:
+            self.scheduler.worker_lost(worker.name)
+        if self.rejoin:
+            while worker.address not in self.workers and not await self.join(worker.address, wait_s=3600.0):
+                await anyio.sleep(1.0)  # refused for now (it serves another scheduler): ask again
+
+    async def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """The readiness canary's answer, from a live prefill worker's model alone."""
+        for worker in [w for w in self.workers.values() if w.role == "prefill"]:
+            try:
+                return await worker.reference(prompt, max_tokens)
+            except WorkerLost:
+                continue
+        raise RuntimeError("no prefill worker is connected to compute the canary's answer")
+
+    def start_scheduler(self, config: SchedulerConfig, tokenizer: Tokenizer) -> Scheduler:
+        """The scheduler serving every pair formed so far (at least one), and every later one."""
+        first, *more = self.pairs
+        prefill, decode, link, prefill_pages, decode_pages, context = _pair_args(first)
+        scheduler = Scheduler(config, tokenizer, prefill, decode, prefill_pages=prefill_pages,
+                              decode_pages=decode_pages, link=link, metrics=SchedulerMetrics(),
+                              max_context_tokens=context)
+        for pair in more:
+            scheduler.add_pair(*_pair_args(pair))
+        self.scheduler, self.pairs = scheduler, []
+        return scheduler
+
+    def close(self) -> None:
+        for worker in list(self.workers.values()):
+            worker.close()
+
+
+def _pair_args(pair: RemotePair) -> tuple:
+    """Scheduler.add_pair's arguments for `pair`."""
+    prefill, decode = pair.prefill.description, pair.decode.description
+    assert prefill is not None and decode is not None
+    return pair.prefill, pair.decode, pair.link, prefill.num_pages, decode.num_pages, pair.max_context_tokens
+
+
+async def _initial_addresses(discovery: Discovery) -> list[str]:
+    """The control addresses to start with: the static list, or every worker registered in etcd
+    once there is a prefill and a decode worker."""
+    if discovery.etcd is None:
+        return list(discovery.addresses)
+    host, port = discovery.etcd
     found = await find_workers(host, port, CONNECT_WAIT_S)
-    pair = [next(r for r in found if r.role == role) for role in ("prefill", "decode")]
-    log.info("etcd at %s:%d lists %d workers; serving with %s", host, port, len(found),
-             " and ".join(f"the {r.role} worker at {r.control} (incarnation {r.incarnation})" for r in pair))
-    return [r.control for r in pair]
+    log.info("etcd at %s:%d lists %d workers: %s", host, port, len(found),
+             ", ".join(f"{r.role} at {r.control} (incarnation {r.incarnation})" for r in found))
+    return [r.control for r in found]
+
+
+async def _follow_etcd(fleet: Fleet, host: str, port: int) -> None:
+    """Keep the fleet to what etcd lists: a new registration joins, one that expired or was revoked
+    leaves (its worker is lost)."""
+    changed = anyio.Event()
+    listed: list[Registration] = []
+
+    def on_change(registrations: list[Registration]) -> None:
+        nonlocal listed
+        listed = registrations
+        changed.set()
+
+    async def reconcile() -> None:
+        nonlocal changed
+        while True:
+            await changed.wait()
+            changed = anyio.Event()
+            addresses = {r.control for r in listed}
+            for address in [a for a in fleet.workers if a not in addresses]:
+                fleet.leave(address)
+            for address in addresses - fleet.workers.keys():
+                fleet.tg.start_soon(fleet.join, address, 10.0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reconcile)
+        await watch_workers(host, port, on_change)
 
 
 async def serve_remote(config: ServeConfig, checkpoint: Checkpoint, model_name: str) -> int:
-    """Serve through the discovered workers until SIGTERM/SIGINT drained (0); 1 when they cannot
-    be reached or used together (logged)."""
+    """Serve through the discovered workers until SIGTERM/SIGINT drained (0); 1 when no pair of
+    them can serve together (logged)."""
     assert config.discovery is not None
     discovery = parse_discovery(config.discovery)
     if not config.transport.secret_file:
         log.error("--discovery needs the deployment secret the workers were started with: --transport-secret-file")
         return 1
     secret = DeploymentSecret.from_file(config.transport.secret_file)
+    page_size = config.pools.page_size_tokens
     async with anyio.create_task_group() as tg:
-        workers: list[RemoteWorker] = []
+        fleet = Fleet(tg, secret, model_identity(checkpoint, model_name), page_size, rejoin=discovery.etcd is None)
         try:
-            addresses = list(discovery.addresses)
-            if discovery.etcd is not None:
-                addresses = await _registered_pair(*discovery.etcd)
-            for address in addresses:
-                workers.append(await connect_when_up(tg, address, secret))
-            pair = await pair_remote(workers, model_identity(checkpoint, model_name),
-                                     config.pools.page_size_tokens, secret)
-        except (WorkerLost, WorkerSetError, PairingRefused, TimeoutError) as e:
+            addresses = await _initial_addresses(discovery)
+        except TimeoutError as e:
             log.error("cannot serve through the discovered workers: %s", e)
-            for w in workers:
-                w.close()
+            addresses = []
+        for address in addresses:
+            await fleet.join(address)
+        if not fleet.pairs:
+            found = ", ".join(f"{w.role} at {a}" for a, w in fleet.workers.items()) or "none usable"
+            log.error("cannot serve through the discovered workers: no prefill and decode worker pair formed "
+                      "(workers: %s)", found)
+            fleet.close()
             tg.cancel_scope.cancel()
             return 1
-        prefill, decode = pair.prefill, pair.decode
-        assert prefill.description is not None and decode.description is not None
-        scheduler_config = config.scheduler.bind(
-            page_size_tokens=config.pools.page_size_tokens, max_context_tokens=pair.max_context_tokens,
-            disaggregated=True, prefill_device_type=torch.device(prefill.description.device).type)
-        scheduler = Scheduler(scheduler_config, checkpoint.tokenizer, prefill, decode,
-                              prefill_pages=prefill.description.num_pages, decode_pages=decode.description.num_pages,
-                              link=pair.link, metrics=SchedulerMetrics())
-        await serve_http(tg, config, model_name, checkpoint.tokenizer, scheduler, prefill.reference,
-                         f"disaggregated: workers at {prefill.address} and {decode.address}")
-        for w in workers:
-            w.close()
+        prefill = fleet.pairs[0].prefill.description
+        assert prefill is not None
+        scheduler = fleet.start_scheduler(config.scheduler.bind(
+            page_size_tokens=page_size, max_context_tokens=configured_context(config, checkpoint.config),
+            disaggregated=True, prefill_device_type=torch.device(prefill.device).type), checkpoint.tokenizer)
+        if discovery.etcd is not None:
+            tg.start_soon(_follow_etcd, fleet, *discovery.etcd, name="etcd-membership")
+        workers = ", ".join(f"{w.role} at {a}" for a, w in fleet.workers.items())
+        await serve_http(tg, config, model_name, checkpoint.tokenizer, scheduler, fleet.reference,
+                         f"disaggregated: {len(scheduler.core.pairs)} pairs of workers ({workers})")
+        fleet.close()
         tg.cancel_scope.cancel()
     return 0

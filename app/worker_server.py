@@ -51,12 +51,12 @@ class KvEndpoint:
         self._make, self._memory, self._record = make, memory, record
         self.transport: Transport | None = None
         self.info: EndpointInfo | None = None
-        self.peer: Peer | None = None  # prefill side: the receiver it paired with
+        self.peers: dict[str, Peer] = {}  # prefill side: the receivers it paired with, by endpoint address
 
     async def start(self, tg: TaskGroup) -> None:
         self.transport = self._make()
         self.info = await self.transport.start(tg, self._memory, self._record())  # type: ignore[arg-type]
-        self.peer = None
+        self.peers = {}
 
     async def renew(self, tg: TaskGroup) -> None:
         await self.close()
@@ -65,7 +65,8 @@ class KvEndpoint:
     async def close(self) -> None:
         if self.transport is not None:
             await self.transport.aclose()
-            self.transport = self.info = self.peer = None
+            self.transport = self.info = None
+            self.peers = {}
 
 
 class WorkerServer:
@@ -194,10 +195,10 @@ class WorkerServer:
         match body:
             case PairWith(info):
                 try:
-                    endpoint.peer = await transport.pair(info)
+                    peer = endpoint.peers[info.address] = await transport.pair(info)
                 except PairingRefused as e:
                     return Failure(f"pairing refused: {e}")
-                return Paired(endpoint.peer.info.record)
+                return Paired(peer.info.record)
             case Arm(manifest, dst_pages):
                 self._active.add(manifest.transfer_id)
                 transport.expect(manifest, dst_pages)
@@ -206,11 +207,12 @@ class WorkerServer:
                 result = await transport.completion(transfer_id)
                 self._active.discard(transfer_id)
                 return Verdict(result.ok, result.reason)
-            case Push(manifest, src_pages, dst_pages):
-                if endpoint.peer is None:
-                    return Verdict(False, "the prefill worker is not paired")
+            case Push(manifest, src_pages, dst_pages, receiver):
+                peer = endpoint.peers.get(receiver)
+                if peer is None:
+                    return Verdict(False, f"the prefill worker is not paired with a receiver at {receiver}")
                 self._active.add(manifest.transfer_id)
-                result = await transport.push(endpoint.peer, manifest, src_pages, dst_pages)
+                result = await transport.push(peer, manifest, src_pages, dst_pages)
                 if result.ok:
                     self._active.discard(manifest.transfer_id)
                 return Verdict(result.ok, result.reason)

@@ -140,12 +140,22 @@ def decode_reply(payload: bytes) -> WorkerReply:
     return _reply_decoder.decode(payload)
 
 
+class WorkerLost(ConnectionError):
+    """The worker behind a channel is gone (its connection dropped, or was never made): raised by
+    every call on the channel from then on, and by every call waiting when it went."""
+
+
 class WorkerChannel(Protocol):
     """The scheduler's end of the connection to one worker (engine/worker.py has the in-process
     one). Contract: the worker runs messages in the order `call` was entered, one at a time, and a
     reply to one message means every earlier one was applied (the scheduler relies on it:
-    LeaseTable.grant_applied); a channel to a worker elsewhere must keep one ordered stream."""
+    LeaseTable.grant_applied); a channel to a worker elsewhere must keep one ordered stream, and
+    raises WorkerLost once that worker is gone.
 
+    `name`: how the scheduler names the worker (unique among its workers: an in-process worker by
+    its role, a remote one by role and address); `role`: "prefill", "decode" or "colocated"."""
+
+    name: str
     role: str
 
     async def call(self, request: WorkerRequest) -> WorkerReply: ...

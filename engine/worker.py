@@ -139,7 +139,7 @@ class LocalWorkerChannel:
     def __init__(self, worker: Worker, compute: ComputeThread) -> None:
         self.worker = worker
         self.compute = compute
-        self.role = worker.role
+        self.role = self.name = worker.role
 
     def _serve(self, payload: bytes) -> bytes:
         return encode(self.worker.execute(decode_request(payload)))

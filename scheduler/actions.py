@@ -39,6 +39,8 @@ class StartTransfer:
     dst_pages: list[int]
     first_token: int = 0
     tenant: str = ""  # whose KV moves (both leases are its own); for log lines
+    sender: str = "prefill"  # the names of the prefill and the decode worker (which link moves it)
+    receiver: str = "decode"
 
     @property
     def who(self) -> str:

@@ -1,7 +1,8 @@
 """Whether a request can ever be served by these pools: pure functions of the config and the page
 ledgers (no I/O, no clock: the caller passes the time).
 
-Invariant 1: a request enters only if it fits everywhere it will go: prompt + max_tokens within the
+Invariant 1: a request enters only if it fits everywhere it will go (on some live pair of a prefill
+and a decode pool; no pair at all is a 503): prompt + max_tokens within the
 context, the prompt within the prefill pool, prompt + max_tokens within the decode pool (also when
 a pool is smaller than the context: a sizing guard bypassed or misconfigured). Quarantined pages may
 never come back, so a request that fits only with them is refused as well (503: retry later or
@@ -18,6 +19,7 @@ from kvfence.scheduler.errors import AdmissionRejected, context_length_exceeded
 from kvfence.scheduler.page_ledger import PageLedger
 
 QUARANTINE_RETRY_AFTER_S = 5
+NO_PAIR_RETRY_AFTER_S = 2
 
 
 class Refusal(NamedTuple):
@@ -25,11 +27,10 @@ class Refusal(NamedTuple):
     error: AdmissionRejected
 
 
-def size_refusal(config: SchedulerConfig, prefill: PageLedger, decode: PageLedger, prompt_tokens: int,
+def size_refusal(config: SchedulerConfig, limit: int, prefill: PageLedger, decode: PageLedger, prompt_tokens: int,
                  max_tokens: int) -> Refusal | None:
-    """400 context_length_exceeded when the request is over the context or over a whole pool
-    (`prefill is decode` when colocated); else None."""
-    limit = config.max_context_tokens
+    """400 context_length_exceeded when the request is over `limit` (the context of the pair of
+    pools) or over a whole pool (`prefill is decode` when colocated); else None."""
     if prompt_tokens >= limit or prompt_tokens + max_tokens > limit:
         return Refusal("context_length", context_length_exceeded(
             f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -62,3 +63,10 @@ def quarantine_refusal(needs: Sequence[tuple[str, PageLedger, int]], now_s: floa
             "that did not end cleanly); retry shortly or on another replica",
             error_type="service_unavailable", retry_after_s=QUARANTINE_RETRY_AFTER_S))
     return None
+
+
+def no_live_pair() -> Refusal:
+    """503 worker_lost: no prefill and decode worker pair is serving (every one was lost)."""
+    return Refusal("no_workers", AdmissionRejected(
+        503, "worker_lost", "no prefill and decode worker pair is serving right now (workers were lost); retry "
+        "shortly or on another replica", error_type="service_unavailable", retry_after_s=NO_PAIR_RETRY_AFTER_S))

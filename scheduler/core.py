@@ -6,11 +6,19 @@ through `take_actions()`: SendStep, StartTransfer, Emit, WatchQuiet (scheduler/a
 awaits: a driver (scheduler/driver.py for the server, scheduler/offline.py for `kvfence generate`)
 carries the actions out and feeds their results back.
 
-Workers are bindings (scheduler/worker_binding.py): one for the prefill role and one for the
-decode role, or one bound to both (colocated). A step for a worker holds the decode steps of the
-requests decoding on it and prefill chunks of the requests prefilling on it; a request whose
-prefill and decode leases are one (the same pool) starts decoding where it prefilled, any other
-moves its KV first. Each worker has at most one step in flight.
+Workers are bindings (scheduler/worker_binding.py), each of a role (prefill, decode, or both:
+colocated), joined into pairs (a prefill and a decode worker whose endpoints paired, or one
+colocated worker); workers and pairs come (`add_pair`) and go (`worker_lost`) while serving. Each
+attempt of a request runs on one pair, the router's pick at reservation (scheduler/router.py). A
+step for a worker holds the decode steps of the requests decoding on it and prefill chunks of the
+requests prefilling on it; a request whose prefill and decode leases are one (the same pool)
+starts decoding where it prefilled, any other moves its KV first. Each worker has at most one step
+in flight.
+
+A lost worker ends its incarnation: requests that still need it and sent no token yet are retried
+once, as a new attempt on another pair, once nothing touches their old pages; the others fail with
+503 worker_lost. Its pool goes with it (the worker ends every lease itself when its scheduler's
+connection drops).
 
 Page ownership: every request gets a lease per pool it uses (128-bit, minted here). The pool's
 lease table (scheduler/lease_table.py) hands pages to the lease; the grant travels in the next
@@ -34,7 +42,6 @@ from collections.abc import Callable
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.scheduler.actions import Action, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
-from kvfence.scheduler.admission import size_refusal
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.engine.ids import id_hex, mint_id
@@ -48,7 +55,7 @@ from kvfence.scheduler.prefix_cache import chain_root
 from kvfence.scheduler.reservation import Reservation
 from kvfence.scheduler.request import Request, State, client_closed
 from kvfence.scheduler.tenants import ANONYMOUS, Tenant, TenantLoads
-from kvfence.scheduler.worker_binding import Step, WorkerBinding
+from kvfence.scheduler.worker_binding import Pair, Step, WorkerBinding
 
 log = logging.getLogger(__name__)
 
@@ -57,32 +64,106 @@ RUNNING = (State.PREFILLING, State.TRANSFERRING, State.DECODING)
 
 class SchedulerCore(Reservation, Preemption):
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, prefill: WorkerBinding, decode: WorkerBinding,
-                 metrics: SchedulerMetrics | None = None, *, mint: Callable[[], int] = mint_id) -> None:
-        """`prefill is decode`: one worker bound to both roles (colocated). `mint`: where lease,
-        request and transfer ids come from (a deterministic source makes a run replayable)."""
-        if config.disaggregated != (prefill is not decode):
-            raise ValueError("disaggregated mode needs a prefill and a decode worker; colocated binds one to both")
+                 metrics: SchedulerMetrics | None = None, *, mint: Callable[[], int] = mint_id,
+                 max_context_tokens: int | None = None) -> None:
+        """The first pair: `prefill` and `decode`, or one worker bound to both roles (`prefill is
+        decode`: colocated), holding `max_context_tokens` (default and at most the config's). `mint`: where lease, request and
+        transfer ids come from (a deterministic source makes a run replayable)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.prefill = prefill
-        self.decode = decode
-        self.workers = [prefill] if prefill is decode else [prefill, decode]
+        self.workers: list[WorkerBinding] = []
+        self.pairs: list[Pair] = []
+        self._pairs_changed = False
         self.metrics = metrics or SchedulerMetrics()
         self.mint = mint
         self.draining = False
         self.queue: deque[Request] = deque()  # WAITING, in the order they get pages
         self._running: dict[State, dict[str, Request]] = {s: {} for s in RUNNING}
         self._live: dict[str, Request] = {}
-        self._quarantined: dict[int, list[tuple[LeaseTable, int]]] = {}  # transfer key -> leases held
+        self._quarantined: dict[int, list[tuple[WorkerBinding, int]]] = {}  # transfer key -> leases held
         self._actions: list[Action] = []
         self._arrivals = 0
         self._step_id = 0
         self._transfer_keys = 0
         self._tenants = TenantLoads()
         self._seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
+        self.add_pair(prefill, decode, max_context_tokens)
         if config.unsafe_cache_across_tenants:
             log.error("UNSAFE: the prefix cache is shared across tenants (unsafe_cache_across_tenants, a broken guard "
                       "for testing the prober); never run this in production")
+
+    # ---- workers and pairs ----
+
+    def add_pair(self, prefill: WorkerBinding, decode: WorkerBinding, max_context_tokens: int | None = None) -> Pair:
+        """Serve on `prefill` -> `decode` from now on (their endpoints paired; each is added as a
+        worker if new). `max_context_tokens`: the longest request both hold (at most the config's)."""
+        if self.config.disaggregated != (prefill is not decode):
+            raise ValueError("disaggregated mode needs a prefill and a decode worker; colocated binds one to both")
+        if not prefill.prefills or not decode.decodes:
+            raise ValueError(f"{prefill.name} -> {decode.name}: a pair is a prefill and a decode worker")
+        if any(p.prefill is prefill and p.decode is decode for p in self.pairs):
+            raise ValueError(f"{prefill.name} -> {decode.name} is paired already")
+        for w in (prefill, decode):
+            if w not in self.workers:
+                if any(o.name == w.name for o in self.workers):
+                    raise ValueError(f"a worker named {w.name!r} serves already")
+                self.workers.append(w)
+        limit = self.config.max_context_tokens
+        pair = Pair(prefill, decode, limit if max_context_tokens is None else min(limit, max_context_tokens))
+        self.pairs.append(pair)
+        return pair
+
+    def worker(self, name: str) -> WorkerBinding:
+        """A live worker by name (KeyError when no live worker has it)."""
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise KeyError(name)
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The longest request some live pair holds (the config's when none is live)."""
+        return max((p.max_context_tokens for p in self.pairs), default=self.config.max_context_tokens)
+
+    def worker_lost(self, name: str, now: float) -> None:
+        """The worker named `name` is gone (its control connection dropped, its membership lease
+        expired): its pairs end, its step in flight never replies, and every request that still
+        needs it is retried once on another pair when it sent no token yet (as soon as no step or
+        transfer touches its pages), else ends with 503 worker_lost. A no-op for an unknown name."""
+        w = next((o for o in self.workers if o.name == name), None)
+        if w is None:
+            return
+        self.workers.remove(w)
+        self.pairs = [p for p in self.pairs if w not in (p.prefill, p.decode)]
+        self._pairs_changed = True
+        if w.in_flight is not None:
+            for req in w.in_flight.requests:
+                req.stepping = False
+            w.in_flight = None
+        bound = [r for group in self._running.values() for r in group.values() if self._needs_worker(r, w)]
+        retried = 0
+        for req in bound:
+            if req.pending_end is None and req.num_generated == 0 and req.retries == 0:
+                req.pending_retry, retried = True, retried + 1
+            else:
+                req.pending_end = req.pending_end or RequestError(
+                    503, "worker_lost", f"the {w.role} worker serving this request was lost; retry it",
+                    error_type="service_unavailable", retry_after_s=1)
+        log.warning("the %s worker %s was lost: %d requests bound to it (%d retried on another pair, %d fail with "
+                    "503); %d pairs left", w.role, w.name, len(bound), retried, len(bound) - retried, len(self.pairs))
+        self.metrics.worker_lost(w.name)
+        self._schedule(now)
+
+    @staticmethod
+    def _needs_worker(req: Request, w: WorkerBinding) -> bool:
+        """Whether running request `req` still needs worker `w`: its decode worker always, its
+        prefill worker until its KV has left it."""
+        pair = req.pair
+        if pair is None:
+            return False
+        if pair.decode is w:
+            return True
+        return pair.prefill is w and req.state in (State.PREFILLING, State.TRANSFERRING)
 
     # ---- queries ----
 
@@ -144,7 +225,8 @@ class SchedulerCore(Reservation, Preemption):
             raise refusal[1]
         running = self.num_running()
         if not priority and len(self.queue) >= self.config.max_queue and (
-                self.queue or running >= self.config.max_running or not self._can_reserve(len(prompt), running)):
+                self.queue or running >= self.config.max_running
+                or not any(self._can_reserve(pair, len(prompt), running) for pair in self.pairs)):
             self.metrics.rejected("queue_full")
             raise overloaded(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
         self._arrivals += 1
@@ -166,11 +248,10 @@ class SchedulerCore(Reservation, Preemption):
 
     def admissible(self, prompt: list[int], params: SamplingParams, now: float) -> int:
         """The request's max_tokens if it can ever be served; else raise AdmissionRejected."""
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_context_tokens - len(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_context_tokens - len(prompt)
         if not prompt:
             raise AdmissionRejected(400, "invalid_prompt", "the prompt is empty", param="prompt")
-        refusal = size_refusal(self.config, self.prefill.ledger, self.decode.ledger, len(prompt), max_tokens) \
-            or self._quarantine_refusal(len(prompt), len(prompt), max_tokens, now)
+        refusal = self._refusal(len(prompt), len(prompt), max_tokens, now)
         if refusal is not None:
             self.metrics.rejected(refusal.reason)
             raise refusal.error
@@ -204,7 +285,9 @@ class SchedulerCore(Reservation, Preemption):
 
     def step_replied(self, worker: str, reply: WorkerReply, now: float) -> None:
         """The worker named `worker` answered its step in flight."""
-        w = self._worker(worker)
+        w = next((o for o in self.workers if o.name == worker), None)
+        if w is None:  # lost while its step was in flight: its requests were settled then
+            return
         step, w.in_flight = w.in_flight, None
         if step is None:
             raise RuntimeError(f"a reply from the {worker} worker, which has no step in flight")
@@ -228,23 +311,29 @@ class SchedulerCore(Reservation, Preemption):
     def transfer_finished(self, key: int, result: MoveResult, now: float, *, crashed: bool = False) -> None:
         """Transfer `key` ended (`crashed`: its task failed; what the transport did is unknown)."""
         req = next(r for r in self._running[State.TRANSFERRING].values() if r.transfer == key)
+        assert req.pair is not None
+        prefill, decode = req.pair.prefill, req.pair.decode
         req.transfer = 0
         self.metrics.transfer(result.ok, result.nbytes, now - req.prefill_done_s)
-        held: list[tuple[LeaseTable, int]] = []
+        held: list[tuple[WorkerBinding, int]] = []
         if result.source_quiet:
-            self.prefill.table.release(req.prefill_lease)
+            prefill.table.release(req.prefill_lease)
         else:  # a posted one-sided write may still read them
-            held.append((self.prefill.table, req.prefill_lease))
+            held.append((prefill, req.prefill_lease))
         if not result.quiet:  # a write may still land: the destination pages stay out of the free list
-            held.append((self.decode.table, req.decode_lease))
+            held.append((decode, req.decode_lease))
             req.decode_lease = 0
         req.prefill_lease = 0
-        for table, lease in held:
-            self._quarantine(table, lease, now)
+        for w, lease in held:
+            self._quarantine(w, lease, now)
         if held and result.until_quiet is not None:
             self._quarantined[key] = held
             self._actions.append(WatchQuiet(key, result.until_quiet))
-        if crashed:
+        if req.pending_retry and result.ok and decode in self.workers:
+            req.pending_retry = False  # its prefill worker was lost after the KV left it: decoding goes on
+        if req.pending_retry and req.pending_end is None and not crashed:
+            self._retry(req, now)
+        elif crashed:
             self._end(req, RequestError(500, "kv_transfer_failed", "the KV transfer failed on the server"), now)
         elif req.pending_end is not None:
             self._end(req, req.pending_end, now)
@@ -253,21 +342,21 @@ class SchedulerCore(Reservation, Preemption):
             self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"), now)
         else:
             first = req.shared_decode * self.config.page_size_tokens
-            self.decode.table.land(req.decode_lease, req.decode_pages, first, req.prefill_target)
-            self._seal(self.decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
+            decode.table.land(req.decode_lease, req.decode_pages, first, req.prefill_target)
+            self._seal(decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
             self._start_decoding(req, req.pending_token, now)
         self._schedule(now)
 
     def transfer_quiet(self, key: int, now: float) -> None:
         """Every write transfer `key` posted is terminal: its quarantined pages come back."""
-        for table, lease in self._quarantined.pop(key, []):
-            self._confirm_quiet(table, lease, now)
+        for w, lease in self._quarantined.pop(key, []):
+            self._confirm_quiet(w, lease, now)
         self._schedule(now)
 
     def lease_quiet(self, worker: str, lease: int, now: float) -> list[int]:
         """No write can reach the quarantined pages of `lease` in the pool of the worker named
         `worker` any more (learned out of band): they come back. Returns them."""
-        pages = self._confirm_quiet(self._worker(worker).table, lease, now)
+        pages = self._confirm_quiet(self.worker(worker), lease, now)
         self._schedule(now)
         return pages
 
@@ -290,14 +379,19 @@ class SchedulerCore(Reservation, Preemption):
         """End what may end, admit what fits, start transfers whose pages are tagged, and give
         every idle worker its next step."""
         for req in list(self._live.values()):
-            if req.pending_end is not None and not req.stepping and not req.transfer:
+            if req.stepping or req.transfer:
+                continue
+            if req.pending_end is not None:
                 self._end(req, req.pending_end, now)
+            elif req.pending_retry:
+                self._retry(req, now)
         self._reserve_queued(now)
-        for w in (self.decode, self.prefill) if self.decode is not self.prefill else (self.decode,):
+        for w in sorted(self.workers, key=lambda o: not o.decodes):  # decode steps first
             if w.in_flight is None:
                 self._plan_step(w, now)
         for req in self._running[State.TRANSFERRING].values():
-            if not req.transfer and self.decode.table.grant_applied(req.decode_lease):
+            assert req.pair is not None
+            if not req.transfer and req.pair.decode.table.grant_applied(req.decode_lease):
                 self._transfer_keys += 1
                 req.transfer = self._transfer_keys
                 self._actions.append(self._transfer_plan(req))
@@ -306,19 +400,21 @@ class SchedulerCore(Reservation, Preemption):
     def _transfer_plan(self, req: Request) -> StartTransfer:
         """Move what the decode pool does not already hold: from the first page past its cache hit
         to the last page of the prompt, page i of one page table into page i of the other."""
+        assert req.pair is not None
         first, end = req.shared_decode, self.config.pages_for(req.prefill_target)
         return StartTransfer(req.transfer, req.request_id, req.prefill_target, req.prefill_lease,
                              req.prefill_pages[first:end], req.decode_lease, req.decode_pages[first:end],
-                             first_token=first * self.config.page_size_tokens, tenant=req.tenant)
+                             first_token=first * self.config.page_size_tokens, tenant=req.tenant,
+                             sender=req.pair.prefill.name, receiver=req.pair.decode.name)
 
     def _plan_step(self, w: WorkerBinding, now: float) -> None:
         """The next step of idle worker `w`: decode steps of the requests decoding on it (each
         first gets the page its next token lands in), then prefill chunks within the token
         budget; sent when it runs something or carries tag changes (a grant a transfer waits for)."""
-        decodes = self._grow(now) if w is self.decode else []
+        decodes = self._grow(w, now) if w.decodes else []
         seqs = decode_steps(decodes, w.table)
-        chunks = (prefill_chunks(self._prefill_order(), self.config.chunk_tokens - len(seqs), w.table)
-                  if w is self.prefill else [])
+        chunks = (prefill_chunks(self._prefill_order(w), self.config.chunk_tokens - len(seqs), w.table)
+                  if w.prefills else [])
         if seqs or chunks or w.table.has_pending:
             self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now)
 
@@ -334,12 +430,10 @@ class SchedulerCore(Reservation, Preemption):
                           landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation)
         self._actions.append(SendStep(w.name, message))
 
-    def _prefill_order(self) -> list[Request]:
-        """Requests prefilling, priority ones first, else in the order they got their pages."""
-        return sorted(self._running[State.PREFILLING].values(), key=lambda r: not r.priority)
-
-    def _worker(self, name: str) -> WorkerBinding:
-        return next(w for w in self.workers if w.name == name)
+    def _prefill_order(self, w: WorkerBinding) -> list[Request]:
+        """Requests prefilling on `w`, priority ones first, else in the order they got their pages."""
+        return sorted((r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w),
+                      key=lambda r: not r.priority)
 
     # ---- lifecycle: the only places a state changes ----
 
@@ -354,14 +448,25 @@ class SchedulerCore(Reservation, Preemption):
         req.advance(new)
         self._running[new][req.request_id] = req
 
-    def _requeue(self, req: Request, now: float) -> None:
-        """Preempted (its leases were released): back to the front of the queue, behind the
-        priority requests, to prefill everything it has again."""
+    def _requeue(self, req: Request, now: float, *, retry: bool = False) -> None:
+        """Preempted or retried (its leases were released): back to the front of the queue, behind
+        the priority requests, to prefill everything it has again as its next attempt."""
         del self._running[req.state][req.request_id]
         load = self._tenants[req.tenant]
         load.queued, load.running = load.queued + 1, load.running - 1
-        req.requeue(now)
+        req.requeue(now, retry=retry)
         self.queue.insert(self._queue_front(), req)
+
+    def _retry(self, req: Request, now: float) -> None:
+        """A worker of its pair was lost before it sent a token and nothing touches its pages any
+        more: its old attempt's leases are released (or stay quarantined where a transfer left them)
+        and it queues again as a new attempt, for another pair."""
+        assert req.pair is not None
+        log.warning("%s: attempt %d on %s lost a worker before its first token; retried as attempt %d",
+                    req.who, req.attempt, req.pair.name, req.attempt + 1)
+        self.metrics.retried()
+        self._release_leases(req)
+        self._requeue(req, now, retry=True)
 
     def _end(self, req: Request, error: RequestError | None, now: float, last: OutputDelta | None = None) -> None:
         """Terminal transition (error, or `last` with its finish reason) and release of every page
@@ -385,7 +490,8 @@ class SchedulerCore(Reservation, Preemption):
     def _prefilled(self, req: Request, token: int, now: float) -> None:
         """Its whole prompt is in the prefill pool and `token` is its next token; the full pages it
         filled are sealed into the pool's cache."""
-        self._seal(self.prefill, req, req.prefill_lease, req.prefill_pages, req.shared_prefill)
+        assert req.pair is not None
+        self._seal(req.pair.prefill, req, req.prefill_lease, req.prefill_pages, req.shared_prefill)
         if req.decode_lease == req.prefill_lease:  # one pool for both roles: the KV is where decode reads
             self._start_decoding(req, token, now)
             return
@@ -452,8 +558,8 @@ class SchedulerCore(Reservation, Preemption):
         if not w.restarted(reply):
             return False
         error = self._restart_error(w)
-        bound = [r for group in self._running.values() for r in group.values()
-                 if (w is self.prefill and r.prefill_lease) or (w is self.decode and r.decode_lease)]
+        bound = [r for group in self._running.values() for r in group.values() if r.pair is not None
+                 and ((r.pair.prefill is w and r.prefill_lease) or (r.pair.decode is w and r.decode_lease))]
         log.warning("the %s worker restarted (now incarnation %s): %d requests bound to the old one fail with 503",
                     w.name, w.incarnation, len(bound))
         self.metrics.worker_restart(w.name)

@@ -5,8 +5,12 @@ Thin on purpose: it reads the clock, turns the core's actions into tasks in the 
 group (one per step in flight — at most one per worker —, one per transfer, one per quarantine
 watch), pushes output into each request's handle, and feeds every result back to the core as an
 event. Every decision is the core's. A step that raises is a failed step (its requests fail, the
-server goes on); a transfer task that raises is a crashed transfer (its destination pages stay
-quarantined: what the transport did is unknown).
+server goes on), except WorkerLost: the worker is gone (`worker_lost`); a transfer task that
+raises is a crashed transfer (its destination pages stay quarantined: what the transport did is
+unknown).
+
+It holds a channel per worker and a transfer link per pair, by name: the first pair at
+construction, more with `add_pair` (workers in other processes, found while serving).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.tenants import ANONYMOUS, INTERNAL, Tenant
-from kvfence.engine.protocol import StepFailed, WorkerChannel, WorkerReply
+from kvfence.engine.protocol import StepFailed, WorkerChannel, WorkerLost, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.page_ledger import PageLedger
 from kvfence.scheduler.request import Request, State
@@ -39,17 +43,23 @@ log = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, prefill: WorkerChannel,
                  decode: WorkerChannel | None, *, prefill_pages: int, decode_pages: int,
-                 link: TransferLink | None = None, metrics: SchedulerMetrics | None = None) -> None:
-        """`decode` None: the prefill worker is bound to both roles (colocated; no link)."""
+                 link: TransferLink | None = None, metrics: SchedulerMetrics | None = None,
+                 max_context_tokens: int | None = None) -> None:
+        """The first pair; `decode` None: the prefill worker is bound to both roles (colocated; no
+        link). `max_context_tokens`: what the first pair holds, when less than the config's."""
         if config.disaggregated != (decode is not None and link is not None):
             raise ValueError("disaggregated mode needs a decode worker and a transfer link; colocated needs neither")
-        bound_prefill = WorkerBinding(prefill.role, prefill_pages)
-        bound_decode = WorkerBinding(decode.role, decode_pages) if decode is not None else bound_prefill
-        self.core = SchedulerCore(config, tokenizer, bound_prefill, bound_decode, metrics)
-        self.prefill_channel = prefill
+        bound_prefill = WorkerBinding(prefill.name, prefill_pages, prefill.role)
+        bound_decode = WorkerBinding(decode.name, decode_pages, decode.role) if decode is not None else bound_prefill
+        self.core = SchedulerCore(config, tokenizer, bound_prefill, bound_decode, metrics,
+                                  max_context_tokens=max_context_tokens)
+        self.prefill_channel = prefill  # the first pair's (the only one in one process)
         self.decode_channel = decode or prefill
-        self._channels = {bound_prefill.name: prefill, bound_decode.name: self.decode_channel}
         self.link = link
+        self._channels: dict[str, WorkerChannel] = {bound_prefill.name: prefill, bound_decode.name: self.decode_channel}
+        self._links: dict[tuple[str, str], TransferLink] = {}
+        if link is not None:
+            self._links[bound_prefill.name, bound_decode.name] = link
         self._handles: dict[str, RequestHandle] = {}
         self._task_group: TaskGroup | None = None
         self._not_started: list[tuple[Callable[..., Awaitable[None]], Any]] = []
@@ -70,7 +80,31 @@ class Scheduler:
 
     @property
     def max_context_tokens(self) -> int:
-        return self.core.config.max_context_tokens
+        return self.core.max_context_tokens
+
+    def add_pair(self, prefill: WorkerChannel, decode: WorkerChannel, link: TransferLink, prefill_pages: int,
+                 decode_pages: int, max_context_tokens: int) -> None:
+        """Serve on one more pair (disaggregated): `link` moves KV from `prefill` to `decode`. A
+        worker already serving (by name) keeps its binding; a new one is bound with its pool size."""
+        known = {w.name: w for w in self.core.workers}
+        bound = [known.get(c.name) or WorkerBinding(c.name, pages, c.role)
+                 for c, pages in ((prefill, prefill_pages), (decode, decode_pages))]
+        self.core.add_pair(*bound, max_context_tokens)
+        self._channels[prefill.name], self._channels[decode.name] = prefill, decode
+        self._links[prefill.name, decode.name] = link
+        self._carry_out()
+
+    def worker_lost(self, name: str) -> None:
+        """The worker named `name` is gone (SchedulerCore.worker_lost); a no-op once it is known."""
+        if self._channels.pop(name, None) is None:
+            return
+        self._links = {k: v for k, v in self._links.items() if name not in k}
+        self.core.worker_lost(name, time.monotonic())
+        self._carry_out()
+
+    def workers(self) -> list[str]:
+        """The names of the live workers."""
+        return [w.name for w in self.core.workers]
 
     @property
     def draining(self) -> bool:
@@ -106,20 +140,24 @@ class Scheduler:
         self._carry_out()
         return freed
 
-    def ledger(self, role: str) -> PageLedger:
-        """The page ledger of the pool serving `role` ("prefill" or "decode"; one pool when colocated)."""
-        return self._bound(role).ledger
+    def ledger(self, worker: str) -> PageLedger:
+        """The page ledger of the worker named `worker`; a role names the first worker serving it
+        (in one process: "prefill" or "decode", the one pool when colocated)."""
+        return self._bound(worker).ledger
 
-    def _bound(self, role: str) -> WorkerBinding:
-        return self.core.prefill if role == "prefill" else self.core.decode
+    def _bound(self, worker: str) -> WorkerBinding:
+        try:
+            return self.core.worker(worker)
+        except KeyError:
+            return next(w for w in self.core.workers if (w.prefills if worker == "prefill" else w.decodes))
 
     def requests_in(self, state: State) -> list[Request]:
         return self.core.requests_in(state)
 
-    def confirm_quiet(self, role: str, lease: int) -> list[int]:
-        """End the quarantine of `lease` in the pool serving `role`: no write can reach its pages
-        any more. They come back through the release path; returns them."""
-        pages = self.core.lease_quiet(self._bound(role).name, lease, time.monotonic())
+    def confirm_quiet(self, worker: str, lease: int) -> list[int]:
+        """End the quarantine of `lease` in the pool of `worker` (as `ledger` names it): no write
+        can reach its pages any more. They come back through the release path; returns them."""
+        pages = self.core.lease_quiet(self._bound(worker).name, lease, time.monotonic())
         self._carry_out()
         return pages
 
@@ -182,8 +220,15 @@ class Scheduler:
 
     async def _run_step(self, action: SendStep) -> None:
         reply: WorkerReply
+        channel = self._channels.get(action.worker)
         try:
-            reply = await self._channels[action.worker].call(action.message)
+            if channel is None:
+                raise WorkerLost(f"the {action.worker} worker is gone")
+            reply = await channel.call(action.message)
+        except WorkerLost as e:
+            log.warning("%s worker: lost (%s)", action.worker, e)
+            self.worker_lost(action.worker)
+            return
         except Exception as e:  # the channel broke: the step failed, the server goes on
             log.exception("%s worker: step %d could not be run", action.worker, action.message.step_id)
             reply = StepFailed(action.message.step_id, f"{type(e).__name__}: {e}")
@@ -193,10 +238,12 @@ class Scheduler:
     async def _transfer(self, action: StartTransfer) -> None:
         """Move the prompt's KV to the decode pool (the core emits the first token once it landed)."""
         crashed = False
+        link = self._links.get((action.sender, action.receiver))
         try:
-            if self.link is None:
-                raise RuntimeError("a transfer needs a transfer link")
-            result = await self.link.move(action, timeout_s=self.config.transfer_timeout_s)
+            if link is None:  # a worker of its pair was lost before it started
+                result = MoveResult(False, f"no link from {action.sender} to {action.receiver}: a worker was lost")
+            else:
+                result = await link.move(action, timeout_s=self.config.transfer_timeout_s)
         except Exception:  # a bug here must fail one request, not the server
             log.exception("%s: transfer task failed", action.who)
             result, crashed = MoveResult(False, "the transfer task failed", quiet=False), True

@@ -43,6 +43,10 @@ class SchedulerMetrics:
             ["role", "check"], registry=r)
         self.worker_restarts = Counter("kvfence_worker_restarts", "Worker restarts seen (new incarnations)",
                                        ["role"], registry=r)
+        self.worker_losses = Counter("kvfence_worker_losses", "Workers lost (control connection dropped or "
+                                     "membership expired), by worker", ["worker"], registry=r)
+        self.retries = Counter("kvfence_request_retries", "Requests retried on another pair after a lost worker "
+                               "(before their first token)", registry=r)
         self.rejections = Counter("kvfence_admission_rejections", "Requests refused at admission",
                                   ["reason"], registry=r)
         self.preemptions = Counter("kvfence_preemptions", "Running requests sent back to the queue to be "
@@ -62,6 +66,22 @@ class SchedulerMetrics:
 
     def worker_restart(self, role: str) -> None:
         self.worker_restarts.labels(role).inc()
+
+    def worker_lost(self, name: str) -> None:
+        """Worker `name` is gone: counted, and its pool's series leave /metrics."""
+        self.worker_losses.labels(name).inc()
+        for state in ("total", "in_use", "free", "quarantined", "cached"):
+            try:
+                self.pages.remove(name, state)
+            except KeyError:
+                pass
+        try:
+            self.quarantine_age.remove(name)
+        except KeyError:
+            pass
+
+    def retried(self) -> None:
+        self.retries.inc()
 
     def queue_sizes(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)

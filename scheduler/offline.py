@@ -48,8 +48,8 @@ class OfflineEngine:
             page_size_tokens=runner.pool.page_size_tokens, max_running=max_running, max_queue=1 << 30,
             chunk_tokens=chunk_tokens, disaggregated=False,
             max_context_tokens=min(runner.model.config.max_context_tokens, runner.pool.capacity_tokens))
-        binding = WorkerBinding(self.worker.role, runner.pool.num_pages)
-        self.core = SchedulerCore(self.config, tokenizer, binding, binding)
+        self.binding = WorkerBinding(self.worker.role, runner.pool.num_pages)
+        self.core = SchedulerCore(self.config, tokenizer, self.binding, self.binding)
 
     @property
     def max_context_tokens(self) -> int:
@@ -57,7 +57,7 @@ class OfflineEngine:
 
     @property
     def ledger(self) -> PageLedger:
-        return self.core.prefill.ledger
+        return self.binding.ledger
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  return_logits: bool = False) -> list[GenerationOutput]:
@@ -111,7 +111,7 @@ class OfflineEngine:
 
     def _run(self, action: SendStep, return_logits: bool, index: dict[str, int],
              logits: list[list[torch.Tensor]], now: float) -> None:
-        step = self.core.prefill.in_flight
+        step = self.binding.in_flight
         reply, rows = self.worker.execute_with_logits(action.message, return_logits)
         if rows is not None and step is not None:
             sampled = [req for req, token in zip(step.requests, getattr(reply, "tokens", [])) if token is not None]

@@ -6,7 +6,7 @@ decode step every request whose next token lands in a page it does not own yet g
 oldest request first, as a PageGrant carried by that step's own message: the worker applies
 releases, then grants, then runs, so the page is tagged with the lease before the forward writes it.
 
-When no page is free the newest running request is preempted: its pages are released through the
+When no page is free the newest running request of that decode pool is preempted: its pages are released through the
 normal path (the worker untags and scrubs them in its next message) and it goes back to the front
 of the queue, to prefill prompt + everything it generated as a new attempt with new leases (in
 disaggregated mode: on the prefill worker, then a new transfer). A request is only ever preempted
@@ -30,7 +30,7 @@ from kvfence.scheduler.request import Request, State
 if TYPE_CHECKING:
     from kvfence.scheduler.config import SchedulerConfig
     from kvfence.scheduler.metrics import SchedulerMetrics
-    from kvfence.scheduler.worker_binding import WorkerBinding
+    from kvfence.scheduler.worker_binding import Pair, WorkerBinding
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,7 @@ class Preemption:
     if TYPE_CHECKING:
         config: SchedulerConfig
         metrics: SchedulerMetrics
-        prefill: WorkerBinding
-        decode: WorkerBinding
+        pairs: list[Pair]
         queue: deque[Request]
 
         def requests_in(self, state: State) -> list[Request]: ...
@@ -50,20 +49,22 @@ class Preemption:
         def _requeue(self, req: Request, now: float) -> None: ...
         def _reserve_queued(self, now: float) -> None: ...
         def _release_leases(self, req: Request) -> None: ...
-        def _needs(self, num_tokens: int) -> dict[WorkerBinding, int]: ...
+        def _needs(self, pair: Pair, num_tokens: int) -> dict[WorkerBinding, int]: ...
 
-    def _preemptible(self) -> list[Request]:
-        """Running requests whose pages can be taken back now: prefilling or decoding ones that
-        no step in flight holds. A transfer's pages never are."""
-        return [r for r in (*self.requests_in(State.PREFILLING), *self.requests_in(State.DECODING)) if not r.stepping]
+    def _preemptible(self, decode: WorkerBinding) -> list[Request]:
+        """Running requests whose pages in `decode`'s pool can be taken back now: prefilling or
+        decoding ones that no step in flight holds. A transfer's pages never are."""
+        return [r for r in (*self.requests_in(State.PREFILLING), *self.requests_in(State.DECODING))
+                if not r.stepping and r.pair is not None and r.pair.decode is decode]
 
-    def _grow(self, now: float) -> list[Request]:
-        """Before a decode step: a priority request waiting for decode pages gets them, then each
-        decoding request, oldest first, gets the page its next token lands in; when the pool is
-        out, newer requests are preempted for it. A request still without its page sits the step
-        out. Returns the requests that step now, in the order they started decoding."""
+    def _grow(self, w: WorkerBinding, now: float) -> list[Request]:
+        """Before a decode step of `w`: a priority request waiting for decode pages gets them, then
+        each request decoding on `w`, oldest first, gets the page its next token lands in; when
+        the pool is out, newer requests of that pool are preempted for it. A request still without
+        its page sits the step out. Returns the requests that step now, in the order they started
+        decoding."""
         self._make_room_for_priority(now)
-        decodes = self.requests_in(State.DECODING)
+        decodes = [r for r in self.requests_in(State.DECODING) if r.pair is not None and r.pair.decode is w]
         for req in sorted(decodes, key=lambda r: r.arrival):
             if req.state is State.DECODING:
                 self._give_page(req, now)
@@ -72,19 +73,21 @@ class Preemption:
         return [r for r in decodes if r.state is State.DECODING and pages_short(r, page) <= 0]
 
     def _give_page(self, req: Request, now: float) -> None:
-        table = self.decode.table
+        assert req.pair is not None
+        decode = req.pair.decode
+        table = decode.table
         while (short := pages_short(req, self.config.page_size_tokens)) > 0:
             pages = table.reserve(req.decode_lease, short)
             if pages is not None:
                 req.decode_pages.extend(pages)  # one pool for both roles: the same list as prefill_pages
                 return
-            victim = newest(self._preemptible(), than=None if req.priority else req)
+            victim = newest(self._preemptible(decode), than=None if req.priority else req)
             if victim is not None:
                 self._preempt(victim, now)
                 continue
             held_by_others = table.ledger.num_in_use - table.ledger.num_quarantined - len(req.decode_pages)
             if held_by_others <= 0:  # only quarantined pages stand in its way: no page may ever come
-                refusal = quarantine_refusal([(self.decode.name, table.ledger, len(req.decode_pages) + short)], now)
+                refusal = quarantine_refusal([(decode.name, table.ledger, len(req.decode_pages) + short)], now)
                 if refusal is not None:
                     log.warning("%s ends with 503: %s", req.who, refusal.error.message)
                     self.metrics.rejected(refusal.reason)
@@ -93,14 +96,21 @@ class Preemption:
 
     def _make_room_for_priority(self, now: float) -> None:
         """A priority request waiting at the head of the queue for decode pages gets them from the
-        newest running requests (pages of another pool come back as transfers end)."""
+        newest running requests of one pair's decode pool, the one with the most pages free
+        among the pairs whose other pool has room (pages of another pool come back as transfers end)."""
         if not self.queue or not self.queue[0].priority:
             return
-        needs = self._needs(self.queue[0].prefill_target)
-        if not all(w.ledger.can_reserve(n) for w, n in needs.items() if w is not self.decode):
+        head = self.queue[0]
+        room = []
+        for pair in self.pairs:
+            needs = self._needs(pair, head.prefill_target)
+            if all(w.ledger.can_reserve(n) for w, n in needs.items() if w is not pair.decode):
+                room.append((pair, needs))
+        if not room:
             return
-        while not self.decode.ledger.can_reserve(needs[self.decode]):
-            victim = newest(self._preemptible())
+        pair, needs = max(room, key=lambda r: r[0].decode.ledger.num_pages - r[0].decode.ledger.num_in_use)
+        while not pair.decode.ledger.can_reserve(needs[pair.decode]):
+            victim = newest(self._preemptible(pair.decode))
             if victim is None:
                 break
             self._preempt(victim, now)
@@ -113,8 +123,9 @@ class Preemption:
         if req.pending_end is not None:
             self._end(req, req.pending_end, now)
             return
+        assert req.pair is not None
         if req.preemptions >= self.config.max_preemptions or any(
-                n > w.ledger.num_pages for w, n in self._needs(len(req.tokens)).items()):
+                n > w.ledger.num_pages for w, n in self._needs(req.pair, len(req.tokens)).items()):
             log.warning("%s: the decode pool is out of pages and it cannot be preempted again "
                         "(%d preemptions, %d tokens): it ends with 503", req.who, req.preemptions, len(req.tokens))
             self._end(req, RequestError(503, "overloaded", "the server ran out of KV pages for this request; "

@@ -16,7 +16,7 @@ import logging
 import anyio
 import anyio.abc
 
-from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerReply
+from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerLost, WorkerReply
 from kvfence.engine.remote.protocol import (
     HANDSHAKE_LABEL, PREFIX_BYTES, Answer, AnswerBody, Arm, AwaitVerdict, Call, CallBody, Cancel, Describe,
     Description, Done, Failure, Paired, PairWith, Push, Reference, Tokens, Verdict, WaitQuiet, body_length,
@@ -28,10 +28,6 @@ from kvfence.transports.wire.channel import Channel, ConnectionGone, connect, sp
 from kvfence.transports.wire.handshake import authenticate_as_connector
 
 log = logging.getLogger(__name__)
-
-
-class WorkerLost(ConnectionError):
-    """The control connection to a worker is gone (or was never made)."""
 
 
 class _Waiting:
@@ -83,6 +79,11 @@ class RemoteWorker:
     def role(self) -> str:
         assert self.description is not None
         return self.description.role
+
+    @property
+    def name(self) -> str:
+        """How the scheduler, its logs and its metrics name this worker: role@address."""
+        return f"{self.role}@{self.address}"
 
     async def call(self, request: RunStep) -> WorkerReply:
         """A step, as `WorkerChannel.call`."""
@@ -151,13 +152,15 @@ class RemoteWorker:
 
 
 class RemoteSendingEnd:
-    """The sending half of a transfer, run on a remote prefill worker (its paired sender)."""
+    """The sending half of a transfer, run on a remote prefill worker, to the receiver it paired
+    with at endpoint address `receiver`."""
 
-    def __init__(self, worker: RemoteWorker) -> None:
+    def __init__(self, worker: RemoteWorker, receiver: str) -> None:
         self.worker = worker
+        self.receiver = receiver
 
     async def push(self, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int]) -> TransferResult:
-        answer = await self.worker.ask(Push(manifest, src_pages, dst_pages))
+        answer = await self.worker.ask(Push(manifest, src_pages, dst_pages, self.receiver))
         if isinstance(answer, Verdict):
             return TransferResult(manifest.transfer_id, answer.ok, answer.reason)
         return TransferResult(manifest.transfer_id, False, _message(answer))

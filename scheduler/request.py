@@ -3,11 +3,13 @@
 WAITING -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED   (disaggregated)
 WAITING -> PREFILLING -> DECODING -> FINISHED                   (colocated)
 PREFILLING or DECODING -> WAITING                                (preempted: the pool ran out)
+PREFILLING, TRANSFERRING or DECODING -> WAITING                  (retried: a worker was lost)
 any non-terminal state -> ABORTED (client gone) or FAILED (server-side error)
 
 A preempted request keeps its tokens and its text state (detokenizer, stop matcher): its next
 attempt prefills prompt + every token generated so far, and the token that prefill samples is the
-next new one, so the stream goes on where it stopped.
+next new one, so the stream goes on where it stopped. A request whose worker was lost before it
+sent a token is retried once the same way, on another pair (`retry`).
 
 Terminal states are monotone: once ABORTED or FAILED, never FINISHED; a late "finished" after an
 abort is ignored, and so is a second terminal transition. An end asked for while the request cannot
@@ -20,10 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.errors import RequestError
 from kvfence.scheduler.output import OutputDelta, TextOutput
+
+if TYPE_CHECKING:
+    from kvfence.scheduler.worker_binding import Pair
 
 CLIENT_CLOSED = "client_closed"  # the code of the error a client-initiated end carries
 
@@ -49,7 +55,7 @@ class State(enum.Enum):
 _ALLOWED = {
     State.WAITING: {State.PREFILLING},
     State.PREFILLING: {State.TRANSFERRING, State.DECODING, State.WAITING},
-    State.TRANSFERRING: {State.DECODING},
+    State.TRANSFERRING: {State.DECODING, State.WAITING},
     State.DECODING: {State.FINISHED, State.WAITING},
 }
 
@@ -67,6 +73,8 @@ class Request:
     output: TextOutput
     created_s: float  # when it was admitted (the caller's monotonic clock)
     state: State = State.WAITING
+    pair: Pair | None = None  # where this attempt runs, from its reservation until it is requeued or ends
+    attempt: int = 1  # a preemption or a retry starts the next one, with new leases
     prefill_lease: int = 0
     decode_lease: int = 0
     prefill_pages: list[int] = dataclasses.field(default_factory=list)
@@ -80,6 +88,8 @@ class Request:
     stepping: bool = False  # part of a step in flight to a worker
     transfer: int = 0  # the key of its KV transfer while one is started (0: none)
     pending_end: RequestError | None = None  # an end asked for that waits until nothing touches its pages
+    pending_retry: bool = False  # a worker of its pair was lost: retried once nothing touches its pages
+    retries: int = 0
     arrival: int = 0  # admission order: the newest running request is the one preempted
     priority: bool = False  # a server-internal request (the readiness canary): ahead of the queue
     tenant: str = "anonymous"  # the authenticated tenant (scheduler/tenants.py); its leases are its own
@@ -117,10 +127,18 @@ class Request:
     def __post_init__(self) -> None:
         self.queued_s = self.created_s
 
-    def requeue(self, now_s: float) -> None:
-        """Preempted (its pages are being released): back to WAITING, to prefill `tokens` again."""
+    def requeue(self, now_s: float, *, retry: bool = False) -> None:
+        """Preempted, or retried after a lost worker (its pages are being released): back to
+        WAITING, to prefill `tokens` again as its next attempt, on whichever pair it gets then."""
+        if self.state is State.TRANSFERRING and not retry:
+            raise IllegalTransition(f"request {self.request_id}: a transferring request is only ever retried")
         self.advance(State.WAITING)
-        self.preemptions += 1
+        if retry:
+            self.retries += 1
+        else:
+            self.preemptions += 1
+        self.attempt += 1
+        self.pair, self.pending_retry = None, False
         self.prefill_target = len(self.tokens)
         self.prefilled = self.decoded_context = self.shared_prefill = self.shared_decode = 0
         self.prefill_pages, self.decode_pages = [], []

@@ -1,5 +1,6 @@
 """Which pages each request holds, in every pool it uses: reservation at admission (in queue
-order, within the running-slot limit and a page of headroom per running request), the prefix
+order, within the running-slot limit and a page of headroom per running request, on the pair the
+router picks), the prefix
 cache (hits at reservation, sealing once pages are filled), release, and quarantine and its end.
 Part of the scheduler core (no I/O, no clock: the time is passed in).
 
@@ -22,12 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvfence.scheduler.admission import Refusal, quarantine_refusal
+from kvfence.scheduler.admission import Refusal, no_live_pair, quarantine_refusal, size_refusal
 from kvfence.scheduler.errors import RequestError
-from kvfence.scheduler.lease_table import LeaseTable
 from kvfence.scheduler.prefix_cache import block_keys, reusable_blocks, sealable_blocks
 from kvfence.scheduler.request import Request, State
-from kvfence.scheduler.worker_binding import WorkerBinding
+from kvfence.scheduler.router import Candidate, pick
+from kvfence.scheduler.worker_binding import Pair, WorkerBinding
 
 if TYPE_CHECKING:
     from kvfence.scheduler.config import SchedulerConfig
@@ -42,9 +43,10 @@ class Reservation:
     if TYPE_CHECKING:
         config: SchedulerConfig
         metrics: SchedulerMetrics
-        prefill: WorkerBinding
-        decode: WorkerBinding
         workers: list[WorkerBinding]
+        pairs: list[Pair]
+        _pairs_changed: bool
+        _running: dict[State, dict[str, Request]]
         queue: deque[Request]
         mint: Callable[[], int]
 
@@ -53,76 +55,125 @@ class Reservation:
         def _move(self, req: Request, new: State) -> None: ...
 
 
-    def _needs(self, num_tokens: int) -> dict[WorkerBinding, int]:
-        """Pages an attempt that prefills `num_tokens` reserves at admission, per pool: the decode
-        side also gets the page of the first token it generates (it grows from there); a pool
-        bound to both roles reserves the larger."""
-        return self._per_pool(self.config.pages_for(num_tokens), self.config.pages_for(num_tokens + 1))
+    def _needs(self, pair: Pair, num_tokens: int) -> dict[WorkerBinding, int]:
+        """Pages an attempt that prefills `num_tokens` reserves at admission on `pair`, per pool:
+        the decode side also gets the page of the first token it generates (it grows from there);
+        a pool bound to both roles reserves the larger."""
+        return self._per_pool(pair, self.config.pages_for(num_tokens), self.config.pages_for(num_tokens + 1))
 
-    def _per_pool(self, prefill_pages: int, decode_pages: int) -> dict[WorkerBinding, int]:
-        """Pages needed per pool; a pool bound to both roles needs the larger."""
-        needs = {self.prefill: prefill_pages}
-        needs[self.decode] = max(needs.get(self.decode, 0), decode_pages)
+    @staticmethod
+    def _per_pool(pair: Pair, prefill_pages: int, decode_pages: int) -> dict[WorkerBinding, int]:
+        """Pages needed per pool of `pair`; a pool bound to both roles needs the larger."""
+        needs = {pair.prefill: prefill_pages}
+        needs[pair.decode] = max(needs.get(pair.decode, 0), decode_pages)
         return needs
 
-    def _can_reserve(self, num_tokens: int, headroom_pages: int = 0,
+    def _can_reserve(self, pair: Pair, num_tokens: int, headroom_pages: int = 0,
                      hits: dict[WorkerBinding, list[int]] | None = None) -> bool:
-        """The pages an attempt of `num_tokens` needs are free or evictable in every pool, with
-        `headroom_pages` more in the decode pool; `hits`: cached pages it will share instead, per pool."""
+        """The pages an attempt of `num_tokens` needs on `pair` are free or evictable in each of its
+        pools, with `headroom_pages` more in the decode pool; `hits`: cached pages it shares instead."""
         hits = hits or {}
-        return all(w.ledger.can_reserve(n - len(hits.get(w, ())) + (headroom_pages if w is self.decode else 0),
+        return all(w.ledger.can_reserve(n - len(hits.get(w, ())) + (headroom_pages if w is pair.decode else 0),
                                         pinned=hits.get(w, ()))
-                   for w, n in self._needs(num_tokens).items())
+                   for w, n in self._needs(pair, num_tokens).items())
 
-    def _quarantine_refusal(self, prompt_tokens: int, prefill_tokens: int, max_tokens: int, now: float) -> Refusal | None:
-        """A refusal (and a log line) when the request fits only with quarantined pages."""
-        needs = self._per_pool(self.config.pages_for(prefill_tokens), self.config.pages_for(prompt_tokens + max_tokens))
-        refusal = quarantine_refusal([(w.name, w.ledger, n) for w, n in needs.items()], now)
-        if refusal is not None:
+    def _refusal(self, prompt_tokens: int, prefill_tokens: int, max_tokens: int, now: float) -> Refusal | None:
+        """Why no live pair can ever serve this request (None: one can). Over the context or a
+        whole pool everywhere: 400; fits somewhere only with quarantined pages: 503 (and a log
+        line); no pair at all: 503."""
+        if not self.pairs:
+            return no_live_pair()
+        refusals = []
+        for pair in self.pairs:
+            refusal = size_refusal(self.config, pair.max_context_tokens, pair.prefill.ledger, pair.decode.ledger,
+                                   prompt_tokens, max_tokens) \
+                or self._quarantine_refusal(pair, prompt_tokens, prefill_tokens, max_tokens, now)
+            if refusal is None:
+                return None
+            refusals.append((refusal.error.status == 503, pair.max_context_tokens, refusal))
+        refusal = max(refusals, key=lambda r: r[:2])[2]  # one that may pass later, else the largest pair's
+        if refusal.error.status == 503:
             log.warning("request refused with 503: %s", refusal.error.message)
         return refusal
+
+    def _quarantine_refusal(self, pair: Pair, prompt_tokens: int, prefill_tokens: int, max_tokens: int,
+                            now: float) -> Refusal | None:
+        """A refusal when the request fits `pair` only with quarantined pages."""
+        needs = self._per_pool(pair, self.config.pages_for(prefill_tokens),
+                               self.config.pages_for(prompt_tokens + max_tokens))
+        return quarantine_refusal([(w.name, w.ledger, n) for w, n in needs.items()], now)
 
     def _queue_front(self) -> int:
         """Where a request goes to be next: behind the priority requests already waiting."""
         return next((i for i, r in enumerate(self.queue) if not r.priority), len(self.queue))
 
     def _reserve_queued(self, now: float) -> None:
-        """Reserve pages for queued requests in order while they fit: a priority request as soon
-        as its pages are free; any other while a running slot is free and the decode pool keeps a
-        page of headroom per running request (each may need one more page soon), so a new request
-        does not take the page a running one is about to need. A queued request that can no
-        longer ever fit (pages were quarantined since it came) ends now with 503."""
-        if any(w.ledger.num_quarantined for w in self.workers):
+        """Reserve pages for queued requests in order while they fit, each on the pair the router
+        picks (scheduler/router.py): a priority request as soon as its pages are free; any other
+        while a running slot is free and the pair's decode pool keeps a page of headroom per
+        request running there (each may need one more page soon), so a new request does not take
+        the page a running one is about to need. A queued request that can no longer ever fit
+        (pages were quarantined, or pairs lost, since it came) ends now with 503."""
+        if any(w.ledger.num_quarantined for w in self.workers) or self._pairs_changed:
+            self._pairs_changed = False
             for req in list(self.queue):
-                refusal = self._quarantine_refusal(len(req.prompt), req.prefill_target, req.max_tokens, now)
+                refusal = self._refusal(len(req.prompt), req.prefill_target, req.max_tokens, now)
                 if refusal is not None:
                     self.metrics.rejected(refusal.reason)
                     self._end(req, refusal.error, now)
+        running_on = self._running_per_decode()
         while True:
             req = self._next_to_start()
             if req is None:
                 return
-            running = self.num_running()
-            if not req.priority and running >= self.config.max_running:
+            if not req.priority and self.num_running() >= self.config.max_running:
                 return
-            hits = self._cache_hits(req)
-            if not self._can_reserve(req.prefill_target, 0 if req.priority else running, hits):
+            choice = self._route(req, running_on)
+            if choice is None:
                 return
+            pair, hits = choice
             leases: dict[WorkerBinding, tuple[int, list[int]]] = {}
-            for w, n in self._needs(req.prefill_target).items():
+            for w, n in self._needs(pair, req.prefill_target).items():
                 lease, shared = self.mint(), hits.get(w, [])
                 w.table.open(lease, req.tenant, shared)  # first: a hit is never evicted for the pages below
                 pages = w.table.reserve(lease, n - len(shared))
                 if pages is None:  # _can_reserve said yes a moment ago
                     raise RuntimeError("ledger refused a reservation it had just allowed")
                 leases[w] = lease, shared + pages
+            req.pair = pair
             (req.prefill_lease, req.prefill_pages), (req.decode_lease, req.decode_pages) = \
-                leases[self.prefill], leases[self.decode]  # one pool for both roles: one lease, one page list
-            req.shared_prefill, req.shared_decode = len(hits.get(self.prefill, ())), len(hits.get(self.decode, ()))
+                leases[pair.prefill], leases[pair.decode]  # one pool for both roles: one lease, one page list
+            req.shared_prefill, req.shared_decode = len(hits.get(pair.prefill, ())), len(hits.get(pair.decode, ()))
             req.prefilled = req.shared_prefill * self.config.page_size_tokens
-            if not req.preemptions:
+            if req.attempt == 1:
                 req.cached_tokens = req.prefilled
+            running_on[pair.decode] = running_on.get(pair.decode, 0) + 1
             self._move(req, State.PREFILLING)
+
+    def _running_per_decode(self) -> dict[WorkerBinding, int]:
+        """How many running requests each decode pool serves (their headroom pages)."""
+        counts: dict[WorkerBinding, int] = {}
+        for group in self._running.values():
+            for req in group.values():
+                if req.pair is not None:
+                    counts[req.pair.decode] = counts.get(req.pair.decode, 0) + 1
+        return counts
+
+    def _route(self, req: Request, running_on: dict[WorkerBinding, int]
+               ) -> tuple[Pair, dict[WorkerBinding, list[int]]] | None:
+        """The pair this attempt of `req` starts on now and the cached pages it shares there, or
+        None when no live pair that can hold it has its pages free yet."""
+        candidates = []
+        for pair in self.pairs:
+            if size_refusal(self.config, pair.max_context_tokens, pair.prefill.ledger, pair.decode.ledger,
+                            len(req.prompt), req.max_tokens) is not None:
+                continue
+            hits = self._cache_hits(req, pair)
+            headroom = 0 if req.priority else running_on.get(pair.decode, 0)
+            if self._can_reserve(pair, req.prefill_target, headroom, hits):
+                candidates.append(Candidate(pair, hits, running_on.get(pair.decode, 0)))
+        best = pick(candidates)
+        return None if best is None else (best.pair, best.hits)
 
     def _cache_keys(self, req: Request) -> list[bytes]:
         """The keys of the full pages of what this attempt prefills ([] when it is not cached)."""
@@ -134,11 +185,11 @@ class Reservation:
             req.keys_for = req.prefill_target
         return req.cache_keys
 
-    def _cache_hits(self, req: Request) -> dict[WorkerBinding, list[int]]:
-        """Per pool, the cached pages of the longest prefix of `req` found there, short of the page
-        of its last token (which is computed to sample the next one)."""
+    def _cache_hits(self, req: Request, pair: Pair) -> dict[WorkerBinding, list[int]]:
+        """Per pool of `pair`, the cached pages of the longest prefix of `req` found there, short
+        of the page of its last token (which is computed to sample the next one)."""
         keys = self._cache_keys(req)[:reusable_blocks(req.prefill_target, self.config.page_size_tokens)]
-        return {w: w.ledger.lookup(keys) for w in self.workers} if keys else {}
+        return {w: w.ledger.lookup(keys) for w in pair.pools} if keys else {}
 
     def _seal(self, w: WorkerBinding, req: Request, lease: int, pages: list[int], shared: int) -> None:
         """The full pages `lease` filled in `w`'s pool (after the `shared` ones it found cached)
@@ -153,26 +204,29 @@ class Reservation:
         return next((r for r in self.queue if r.priority or not self._tenants[r.tenant].at_running_limit), None)
 
     def _release_leases(self, req: Request) -> None:
-        """Release every lease `req` holds (the workers untag and scrub the pages in their next message)."""
-        for table, lease in {(self.prefill.table, req.prefill_lease), (self.decode.table, req.decode_lease)}:
-            table.release(lease)
+        """Release every lease `req` holds (the workers untag and scrub the pages in their next
+        message; in the pool of a lost worker they go with its table)."""
+        if req.pair is not None:
+            for w, lease in {(req.pair.prefill, req.prefill_lease), (req.pair.decode, req.decode_lease)}:
+                w.table.release(lease)
         req.prefill_lease = req.decode_lease = 0
 
-    def _quarantine(self, table: LeaseTable, lease: int, now: float) -> None:
-        pages = table.quarantine(lease, now)
+    def _quarantine(self, w: WorkerBinding, lease: int, now: float) -> None:
+        pages = w.table.quarantine(lease, now)
         if pages:
-            self._log_quarantine(table, f"{len(pages)} pages of {table.who(lease)} quarantined", now)
+            self._log_quarantine(w, f"{len(pages)} pages of {w.table.who(lease)} quarantined", now)
 
-    def _log_quarantine(self, table: LeaseTable, what: str, now: float) -> None:
-        name = next(w.name for w in self.workers if w.table is table)
-        since = table.ledger.quarantined_since
+    @staticmethod
+    def _log_quarantine(w: WorkerBinding, what: str, now: float) -> None:
+        ledger = w.ledger
+        since = ledger.quarantined_since
         held = f"oldest for {now - since:.1f} s" if since is not None else "none left"
-        log.warning("%s pool: %s; %d of %d pages quarantined (%s)", name, what, table.ledger.num_quarantined,
-                    table.ledger.num_pages, held)
+        log.warning("%s pool: %s; %d of %d pages quarantined (%s)", w.name, what, ledger.num_quarantined,
+                    ledger.num_pages, held)
 
-    def _confirm_quiet(self, table: LeaseTable, lease: int, now: float) -> list[int]:
-        who = table.who(lease)  # before: the table forgets a lease once its pages are back
-        pages = table.confirm_quiet(lease)
+    def _confirm_quiet(self, w: WorkerBinding, lease: int, now: float) -> list[int]:
+        who = w.table.who(lease)  # before: the table forgets a lease once its pages are back
+        pages = w.table.confirm_quiet(lease)
         if pages:
-            self._log_quarantine(table, f"quarantine of {who} ended, {len(pages)} pages returned", now)
+            self._log_quarantine(w, f"quarantine of {who} ended, {len(pages)} pages returned", now)
         return pages

@@ -1,5 +1,6 @@
-"""The scheduler core's view of one worker: its name, the lease table of its KV pool, the worker
-incarnation the core believes in, and the one step it may have in flight.
+"""The scheduler core's view of one worker: its name, its role, the lease table of its KV pool, the
+worker incarnation the core believes in, and the one step it may have in flight; and of a `Pair`,
+a prefill and a decode worker whose KV endpoints paired (or one colocated worker, bound to both).
 
 A worker serves one role ("prefill", "decode") or both ("colocated": one worker bound to both
 roles, one pool, one lease table). Every message to the worker carries the incarnation the core
@@ -34,9 +35,17 @@ class Step:
         return self.decodes + [r for r, _ in self.chunks]
 
 
+ROLES = ("prefill", "decode", "colocated")
+
+
 class WorkerBinding:
-    def __init__(self, name: str, num_pages: int) -> None:
+    def __init__(self, name: str, num_pages: int, role: str | None = None) -> None:
+        """`name`: how the core, the driver, logs and metrics name it (unique among the workers);
+        `role`: one of ROLES, by default its name (the in-process workers are named by role)."""
         self.name = name
+        self.role = role or name
+        if self.role not in ROLES:
+            raise ValueError(f"worker {name!r}: role must be one of {ROLES}, got {self.role!r}")
         self.table = LeaseTable(num_pages)
         self.incarnation = ""  # learned from the first reply
         self.in_flight: Step | None = None
@@ -46,9 +55,35 @@ class WorkerBinding:
     def ledger(self):  # type: ignore[no-untyped-def]
         return self.table.ledger
 
+    @property
+    def prefills(self) -> bool:
+        return self.role != "decode"
+
+    @property
+    def decodes(self) -> bool:
+        return self.role != "prefill"
+
     def restarted(self, reply: WorkerReply) -> bool:
         """Adopt the reply's incarnation; True when it replaces a known, different one."""
         if not reply.incarnation or reply.incarnation == self.incarnation:
             return False
         known, self.incarnation = self.incarnation, reply.incarnation
         return bool(known)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pair:
+    """Where a request runs: a prefill and a decode worker that may transfer KV between them
+    (`prefill is decode`: one colocated worker), and the longest request both hold."""
+
+    prefill: WorkerBinding
+    decode: WorkerBinding
+    max_context_tokens: int
+
+    @property
+    def pools(self) -> list[WorkerBinding]:
+        return [self.prefill] if self.prefill is self.decode else [self.prefill, self.decode]
+
+    @property
+    def name(self) -> str:
+        return self.prefill.name if self.prefill is self.decode else f"{self.prefill.name} -> {self.decode.name}"

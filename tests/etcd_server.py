@@ -9,8 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
+
+from kvfence.app.membership import ETCD_ERRORS, registered_workers
 
 ETCD = shutil.which("etcd")
 
@@ -52,6 +55,16 @@ class EtcdServer:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"etcd not healthy after 30 s:\n{(self.directory / 'etcd.log').read_text()}")
+
+    def registered_controls(self) -> set[str] | None:
+        """The control addresses of the workers registered now (None while etcd does not answer)."""
+        async def listed() -> set[str]:
+            return {r.control for r in await registered_workers("127.0.0.1", self.port)}
+
+        try:
+            return anyio.run(listed)
+        except ETCD_ERRORS:
+            return None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -38,9 +38,10 @@ def channel(worker: Worker) -> LocalWorkerChannel:
     return LocalWorkerChannel(worker, compute_thread())
 
 
-def make_worker(checkpoint: Checkpoint, role: str, num_pages: int, page_size: int) -> Worker:
-    model = LlamaModel(checkpoint, torch.float32)
-    pool = KVPool(model.config, num_pages, page_size, torch.float32)
+def make_worker(checkpoint: Checkpoint, role: str, num_pages: int, page_size: int,
+                dtype: torch.dtype = torch.float32) -> Worker:
+    model = LlamaModel(checkpoint, dtype)
+    pool = KVPool(model.config, num_pages, page_size, dtype)
     return Worker(role, ModelRunner(model, pool, sanitizer=KvSanitizer(num_pages, page_size)))
 
 

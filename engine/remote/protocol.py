@@ -13,7 +13,7 @@ network, never for a step) and is answered when it is done, so answers may come 
 
 Transfer calls are the halves of scheduler/transfer.py's move, run where the endpoint lives: the
 decode worker arms its receiver (`Arm`) and reports the verdict (`AwaitVerdict`); the prefill
-worker pushes to the receiver it paired with (`Push`) and waits for quiet (`WaitQuiet`); both
+worker pushes to one of the receivers it paired with (`Push`) and waits for quiet (`WaitQuiet`); both
 cancel (`Cancel`). The capability of each push is minted by the scheduler, as in one process.
 """
 
@@ -52,7 +52,8 @@ class Description(msgspec.Struct, frozen=True, tag="description"):
 
 class PairWith(msgspec.Struct, frozen=True, tag="pair_with"):
     """Prefill worker: pair this worker's sender with the decode worker's `endpoint` (its
-    transport endpoint, from that worker's `Description`). Answered with `Paired` or `Failure`."""
+    transport endpoint, from that worker's `Description`), beside any receiver it paired with
+    before (a new pairing with the same address replaces the old). `Paired` or `Failure`."""
 
     endpoint: EndpointInfo
 
@@ -75,12 +76,14 @@ class AwaitVerdict(msgspec.Struct, frozen=True, tag="await_verdict"):
 
 
 class Push(msgspec.Struct, frozen=True, tag="push"):
-    """Prefill worker: push `src_pages` into the paired receiver's `dst_pages` (Transport.push).
-    `Verdict`; when it is answered, the sender no longer reads `src_pages` (or it says so)."""
+    """Prefill worker: push `src_pages` into `dst_pages` of the receiver it paired with at endpoint
+    address `receiver` (Transport.push). `Verdict`; when it is answered, the sender no longer reads
+    `src_pages` (or it says so)."""
 
     manifest: TransferManifest
     src_pages: list[int]
     dst_pages: list[int]
+    receiver: str
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):

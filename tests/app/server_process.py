@@ -84,10 +84,14 @@ class ServerProcess(Subprocess):
         raise KeyError(f"{name}{{{want}}} not in /metrics")
 
     def pages_in_use(self) -> dict[str, float]:
-        colocated = "--disaggregation" in self.proc.args and "off" in self.proc.args
-        roles = ("colocated",) if colocated else ("prefill", "decode")
-        return {role: self.metric("kvfence_kv_pages", role=role, state="in_use") for role in roles}
-
+        """Pages in use per pool, by the worker's name ("prefill", "decode", "colocated" in one
+        process; role@address for workers in other processes)."""
+        headers = {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
+        text = httpx.get(self.base_url + "/metrics", headers=headers, timeout=5).text
+        found = re.findall(r'^kvfence_kv_pages\{role="([^"]+)",state="in_use"\} (\S+)$', text, re.M)
+        if not found:
+            raise KeyError(f"no kvfence_kv_pages in_use series in /metrics:\n{text}")
+        return {role: float(value) for role, value in found}
 
 
 def serving(srv: ServerProcess) -> Iterator[ServerProcess]:

@@ -12,14 +12,14 @@ CONFIG = SchedulerConfig(page_size_tokens=4, max_context_tokens=64)
 
 def test_size_refusal_names_the_field() -> None:
     prefill, decode = PageLedger(16), PageLedger(16)  # 64 tokens each
-    assert size_refusal(CONFIG, prefill, decode, 10, 54) is None
-    over = size_refusal(CONFIG, prefill, decode, 10, 55)
+    assert size_refusal(CONFIG, 64, prefill, decode, 10, 54) is None
+    over = size_refusal(CONFIG, 64, prefill, decode, 10, 55)
     assert over is not None and over.reason == "context_length" and over.error.param == "max_tokens"
     assert over.error.status == 400 and over.error.code == "context_length_exceeded"
     small = PageLedger(4)  # 16 tokens: a bypassed sizing guard
-    prompt = size_refusal(CONFIG, small, decode, 20, 4)
+    prompt = size_refusal(CONFIG, 64, small, decode, 20, 4)
     assert prompt is not None and prompt.reason == "pool_capacity" and prompt.error.param == "messages"
-    total = size_refusal(CONFIG, prefill, small, 10, 10)
+    total = size_refusal(CONFIG, 64, prefill, small, 10, 10)
     assert total is not None and total.reason == "pool_capacity" and total.error.param == "max_tokens"
 
 

@@ -53,7 +53,7 @@ def test_every_interleaving_keeps_the_invariants(tiny: Checkpoint, disaggregated
 
 def test_it_finds_a_release_before_the_transfer_is_quiet(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """Put back the bug of freeing the pages of a transfer whose cancellation was not acknowledged."""
-    monkeypatch.setattr(SchedulerCore, "_quarantine", lambda self, table, lease, now: table.release(lease))
+    monkeypatch.setattr(SchedulerCore, "_quarantine", lambda self, w, lease, now: w.table.release(lease))
     with pytest.raises(Violation) as found:
         explore(world_factory(tiny, True, Budget(restarts=0, aborts=0, ticks=0, transfer_faults=1)))
     print(found.value)
@@ -98,7 +98,7 @@ def test_it_finds_a_seal_of_pages_the_prefill_did_not_fill(tiny: Checkpoint, mon
 
     def seal_early(self: SchedulerCore, req, token, now):  # type: ignore[no-untyped-def]
         if req.decode_lease != req.prefill_lease:
-            self._seal(self.decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
+            self._seal(req.pair.decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
         real(self, req, token, now)
 
     monkeypatch.setattr(SchedulerCore, "_prefilled", seal_early)

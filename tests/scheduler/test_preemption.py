@@ -227,7 +227,7 @@ def quarantine_pages(s: Scheduler, num_pages: int) -> int:
     """Quarantine `num_pages` free decode pages under a lease of their own, as a transfer that
     timed out with its cancellation unacknowledged leaves them."""
     lease = mint_id()
-    table = s.core.decode.table
+    table = s._bound("decode").table
     assert table.reserve(lease, num_pages) is not None
     table.quarantine(lease, time.monotonic())
     return lease
@@ -312,7 +312,7 @@ async def test_confirm_quiet_returns_a_timed_out_transfers_pages_scrubbed(tiny: 
     for other in s.ledger("prefill").quarantined_leases():  # the source side, if its sender did not acknowledge either
         s.confirm_quiet("prefill", other)
     with anyio.fail_after(5):  # the next message to the decode worker (sent at once: it is idle) applies the release
-        while s.core.decode.in_flight is not None or s.core.decode.table.has_pending:
+        while s._bound("decode").in_flight is not None or s._bound("decode").table.has_pending:
             await anyio.sleep(0.005)
     assert all(decode_worker.pool.owner(p) == 0 for p in pages)
     assert bool((decode_worker.pool.data[pages] == POISON_VALUE).all())

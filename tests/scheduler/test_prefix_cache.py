@@ -103,7 +103,7 @@ async def test_a_partial_hit_on_either_side_moves_exactly_what_is_missing(servin
     if s.link is None:
         return
     assert moved_pages(serving) - before == 8 - 3
-    for flushed, cached, moved in ((s.core.decode, 28, 8), (s.core.prefill, 0, 1)):
+    for flushed, cached, moved in ((s.core.worker("decode"), 28, 8), (s.core.worker("prefill"), 0, 1)):
         flushed.table.flush()
         before = moved_pages(serving)
         assert await run(s.submit(PROMPT, GREEDY, T)) == (want, cached, None)

@@ -13,68 +13,34 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
-from serving_harness import compute_thread, make_worker, wait_idle
+from hosted_workers import MODEL_ID, PAGE, PAGES, Hosted, host_pair
+from serving_harness import wait_idle
 
-from kvfence.app.pairing import role_record
-from kvfence.app.remote_front import WorkerSetError, pair_remote
+from kvfence.app.remote_front import WorkerSetError, check_worker, pair_remote
 from kvfence.app.readiness import greedy_answer
-from kvfence.app.worker_server import KvEndpoint, WorkerServer
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
-from kvfence.engine.worker import Worker
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.offline import OfflineEngine
-from kvfence.scheduler.remote_worker import RemoteWorker, WorkerLost
+from kvfence.engine.protocol import WorkerLost
+from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.core.secret import DeploymentSecret
-from kvfence.transports.registry import create_transport
-from kvfence.transports.wire.channel import listen
 
-PAGE, PAGES, CONTEXT = 4, 64, 96
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], list(range(30, 52))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-MODEL_ID = "tiny"
-
-
-class Hosted:
-    """A worker served on a loopback control port, as `kvfence worker` serves one."""
-
-    def __init__(self, tiny: Checkpoint, role: str, secret: DeploymentSecret) -> None:
-        self.worker: Worker = make_worker(tiny, role, PAGES, PAGE)
-        pool = self.worker.pool
-        self.endpoint = KvEndpoint(lambda: create_transport("tcp", secret=secret, host="127.0.0.1"), pool.data,
-                                   lambda: role_record(pool, MODEL_ID, CONTEXT))
-        self.server = WorkerServer(self.worker, compute_thread(), self.endpoint, secret, tiny.tokenizer,
-                                   model=MODEL_ID, max_context_tokens=CONTEXT)
-        self.listener = listen("127.0.0.1", 0)
-        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
-
-    def tags(self) -> list[int]:
-        return [self.worker.pool.owner(p) for p in range(self.worker.pool.num_pages)]
-
-
-async def host_pair(tg: anyio.abc.TaskGroup, tiny: Checkpoint, secret: DeploymentSecret) -> list[Hosted]:
-    hosted = [Hosted(tiny, role, secret) for role in ("prefill", "decode")]
-    for h in hosted:
-        await tg.start(serve_until_cancelled, h)
-    return hosted
-
-
-async def serve_until_cancelled(h: Hosted, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-    try:
-        await h.server.serve(h.listener, task_status=task_status)
-    finally:
-        h.listener.close()
 
 
 async def front(tg: anyio.abc.TaskGroup, hosted: list[Hosted], secret: DeploymentSecret,
                 tokenizer) -> tuple[Scheduler, list[RemoteWorker]]:  # type: ignore[no-untyped-def]
     workers = [await RemoteWorker.connect(tg, h.address, secret) for h in hosted]
-    pair = await pair_remote(workers, MODEL_ID, PAGE, secret)
+    for w in workers:
+        check_worker(w, MODEL_ID, PAGE)
+    pair = await pair_remote(*workers, PAGE, secret)
     config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=pair.max_context_tokens, chunk_tokens=8,
                              disaggregated=True, transfer_timeout_s=5)
     scheduler = Scheduler(config, tokenizer, pair.prefill, pair.decode, prefill_pages=PAGES, decode_pages=PAGES,
@@ -178,12 +144,12 @@ async def test_workers_that_cannot_serve_together_are_refused_with_the_reason(ti
     async with anyio.create_task_group() as tg:
         hosted = await host_pair(tg, tiny, secret)
         workers = [await RemoteWorker.connect(tg, h.address, secret) for h in hosted]
-        with pytest.raises(WorkerSetError, match="one prefill and one decode"):
-            await pair_remote(workers[:1], MODEL_ID, PAGE, secret)
-        with pytest.raises(WorkerSetError, match="same --model"):
-            await pair_remote(workers, "another-model", PAGE, secret)
-        with pytest.raises(WorkerSetError, match="same --page-size"):
-            await pair_remote(workers, MODEL_ID, PAGE * 2, secret)
+        for w in workers:
+            check_worker(w, MODEL_ID, PAGE)
+            with pytest.raises(WorkerSetError, match="same --model"):
+                check_worker(w, "another-model", PAGE)
+            with pytest.raises(WorkerSetError, match="same --page-size"):
+                check_worker(w, MODEL_ID, PAGE * 2)
         for w in workers:
             w.close()
         tg.cancel_scope.cancel()

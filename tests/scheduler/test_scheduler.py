@@ -158,7 +158,7 @@ async def test_foreign_page_tag_fails_only_that_request(harness: Harness, tiny: 
     ps = prompts(2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = offline_greedy(tiny, ps, 8)
-    table = (s.core.prefill if pool == "prefill" else s.core.decode).table
+    table = s._bound(pool).table
     take, leases = table.take_pending, []
 
     def corrupted():  # type: ignore[no-untyped-def]
