@@ -77,6 +77,15 @@ def _build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     probe.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
+    status = sub.add_parser("status", help="list a deployment's workers: role, incarnation, device, pool pages and "
+                                           "health (from etcd and a front end's /metrics)")
+    status.add_argument("--discovery", default=None, help="etcd://HOST:PORT the workers register in")
+    status.add_argument("--front", default=None, help="a front end's base URL, e.g. http://127.0.0.1:8000 (its "
+                                                      "/metrics has each worker's pool)")
+    status.add_argument("--admin-key", default=None, help="the front end's admin key, when it serves with "
+                                                          "--api-keys (also KVFENCE_ADMIN_KEY)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     fetch = sub.add_parser("fetch", help="fetch a known model into the cache and print its path")
     fetch.add_argument("model", nargs="?", default=None)
     return parser
@@ -294,6 +303,14 @@ def _config_reference() -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    import os
+
+    from kvfence.app.status import status
+
+    return status(args.discovery, args.front, args.admin_key or os.environ.get("KVFENCE_ADMIN_KEY"), args.json)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from kvfence.engine.checkpoint import CheckpointError
@@ -314,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _api_key(args)
         if args.command == "probe":
             return _probe(args)
+        if args.command == "status":
+            return _status(args)
         return _fetch(args)
     except (ValueError, FileNotFoundError, CheckpointError, FetchError) as e:
         print(f"kvfence: error: {e}", file=sys.stderr)

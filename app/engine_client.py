@@ -32,5 +32,6 @@ class EngineClient(Protocol):
         ...
 
     def is_ready(self) -> bool:
-        """True when the serving path has passed its readiness check and is not draining."""
+        """True when the serving path has passed its readiness check, is not draining and some
+        pair of workers takes requests."""
         ...

@@ -58,7 +58,7 @@ class ServingEngine:
         return self.scheduler.flush_cache()
 
     def is_ready(self) -> bool:
-        return self.canary.passed and not self.scheduler.draining
+        return self.canary.passed and not self.scheduler.draining and self.scheduler.can_serve
 
 
 def model_identity(checkpoint: Checkpoint, name: str) -> str:

@@ -54,8 +54,9 @@ def check_worker_settings(config: ServeConfig, role: str) -> None:
 
 async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: str, role: str, device: str,
                      control: str, advertise: str | None = None, intra_op_threads: int | None = None) -> int:
-    """Serve the worker until SIGTERM/SIGINT; 0 then. With `--discovery etcd://...` it registers
-    there (app/membership.py) under `advertise` (default: `control`), and revokes that last."""
+    """Serve the worker until SIGTERM/SIGINT, then drain it (WorkerServer.drain) and stop; 0 then.
+    With `--discovery etcd://...` it registers there (app/membership.py) under `advertise`
+    (default: `control`), and revokes that last."""
     check_worker_settings(config, role)
     secret = DeploymentSecret.from_file(config.transport.secret_file)  # type: ignore[arg-type]
     host, port = split_address(control)
@@ -87,9 +88,10 @@ async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: st
                     tg.start_soon(register_worker, *etcd, lambda: registration(server, advertised, transport.name))
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
-                        log.info("received %s: stopping the %s worker", signal.Signals(signum).name, role)
+                        log.info("received %s: draining the %s worker", signal.Signals(signum).name, role)
                         break
-                tg.cancel_scope.cancel()
+                await server.drain(config.server.shutdown_timeout_s)
+                tg.cancel_scope.cancel()  # the etcd registration is revoked on the way out, last
         finally:
             listener.close()
         return 0

@@ -12,6 +12,10 @@ is closed (its memory registrations dropped, so no write posted for an old trans
 more: every transfer touching the pool is quiet), then the worker restarts (every page untagged
 and poisoned, a new incarnation) and a fresh endpoint starts. The next scheduler sees a new
 incarnation and pairs again.
+
+Drain (`drain`, on SIGTERM): from then on every step's reply says the worker is draining, so the
+scheduler starts nothing new on it; the worker waits until its scheduler has been told and it holds
+no live lease and no unsettled transfer (or the deadline passes), then stops.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 
 import anyio
 import anyio.abc
+import msgspec
 from anyio.abc import TaskGroup
 
 from kvfence.app.readiness import greedy_answer
@@ -87,6 +92,8 @@ class WorkerServer:
         self._tg: TaskGroup | None = None
         self._active: set[str] = set()  # transfers armed or pushed and not yet settled
         self.served = 0  # schedulers served so far (tests wait on it)
+        self.draining = False
+        self._told = False  # a reply saying so reached the scheduler's connection
 
     def describe(self) -> Description:
         pool = self.worker.pool
@@ -157,7 +164,11 @@ class WorkerServer:
         async def run_steps() -> None:  # one at a time, in arrival order
             async for call in steps_out:
                 reply = await self.compute.run(self.worker.execute, call.body)
+                draining = self.draining
+                if draining:
+                    reply = msgspec.structs.replace(reply, draining=True)
                 await answer(call.call_id, reply)
+                self._told = self._told or draining
 
         async def run_call(call: Call) -> None:
             try:
@@ -180,6 +191,20 @@ class WorkerServer:
                 log.warning("%s worker: the scheduler's control connection ended: %s", self.worker.role,
                             e or type(e).__name__)
             tg.cancel_scope.cancel()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take nothing new (every reply says so) and wait until the scheduler was told and this
+        worker holds no live lease and no unsettled transfer; False when `timeout_s` passed first."""
+        self.draining, self._told = True, False
+        log.info("%s worker: draining (up to %g s): %d leases live, %d transfers unsettled", self.worker.role,
+                 timeout_s, len(self.worker.page_tables), len(self._active))
+        with anyio.move_on_after(timeout_s):
+            while self.owner is not None and (not self._told or len(self.worker.page_tables) or self._active):
+                await anyio.sleep(0.05)
+            return True
+        log.warning("%s worker: still %d leases live after %g s of draining; stopping anyway",
+                    self.worker.role, len(self.worker.page_tables), timeout_s)
+        return False
 
     async def _handle(self, body: object) -> AnswerBody:
         endpoint = self.endpoint

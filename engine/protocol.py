@@ -110,6 +110,7 @@ class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     tokens: list[int | None]  # sampled token per seq, in order; None for a seq that did not run
     violations: list[OwnerMismatch] = []
     incarnation: str = ""  # the worker's current incarnation
+    draining: bool = False  # the worker is shutting down: route nothing new to it
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
@@ -117,6 +118,7 @@ class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
     message: str
     incarnation: str = ""  # the worker's current incarnation
     stale_incarnation: bool = False  # refused unapplied: the step was built for an earlier incarnation
+    draining: bool = False
 
 
 WorkerRequest = RunStep

@@ -66,7 +66,9 @@ def quarantine_refusal(needs: Sequence[tuple[str, PageLedger, int]], now_s: floa
 
 
 def no_live_pair() -> Refusal:
-    """503 worker_lost: no prefill and decode worker pair is serving (every one was lost)."""
+    """503 worker_lost: no prefill and decode worker pair takes requests (every one was lost or is
+    draining)."""
     return Refusal("no_workers", AdmissionRejected(
-        503, "worker_lost", "no prefill and decode worker pair is serving right now (workers were lost); retry "
-        "shortly or on another replica", error_type="service_unavailable", retry_after_s=NO_PAIR_RETRY_AFTER_S))
+        503, "worker_lost", "no prefill and decode worker pair takes requests right now (workers were lost or are "
+        "shutting down); retry shortly or on another replica", error_type="service_unavailable",
+        retry_after_s=NO_PAIR_RETRY_AFTER_S))

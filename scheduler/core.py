@@ -113,6 +113,11 @@ class SchedulerCore(Reservation, Preemption):
         self.pairs.append(pair)
         return pair
 
+    @property
+    def serving_pairs(self) -> list[Pair]:
+        """The pairs new attempts may start on: live, and neither worker draining."""
+        return [p for p in self.pairs if not p.prefill.draining and not p.decode.draining]
+
     def worker(self, name: str) -> WorkerBinding:
         """A live worker by name (KeyError when no live worker has it)."""
         for w in self.workers:
@@ -199,7 +204,7 @@ class SchedulerCore(Reservation, Preemption):
             ledger = w.ledger
             quarantined, since = ledger.num_quarantined, ledger.quarantined_since
             self.metrics.pool(w.name, ledger.num_pages, ledger.num_in_use - quarantined, quarantined,
-                              ledger.num_cached_idle, 0.0 if since is None else now - since)
+                              ledger.num_cached_idle, 0.0 if since is None else now - since, w.draining)
         self.metrics.queue_sizes(len(self.queue), self.num_running())
 
     # ---- events ----
@@ -226,7 +231,7 @@ class SchedulerCore(Reservation, Preemption):
         running = self.num_running()
         if not priority and len(self.queue) >= self.config.max_queue and (
                 self.queue or running >= self.config.max_running
-                or not any(self._can_reserve(pair, len(prompt), running) for pair in self.pairs)):
+                or not any(self._can_reserve(pair, len(prompt), running) for pair in self.serving_pairs)):
             self.metrics.rejected("queue_full")
             raise overloaded(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
         self._arrivals += 1
@@ -292,6 +297,10 @@ class SchedulerCore(Reservation, Preemption):
         if step is None:
             raise RuntimeError(f"a reply from the {worker} worker, which has no step in flight")
         w.table.answered(step.number)
+        if reply.draining and not w.draining:
+            w.draining, self._pairs_changed = True, True
+            log.info("the %s worker %s is draining: nothing new starts on it; %d pairs still take requests",
+                     w.role, w.name, len(self.serving_pairs))
         for req in step.requests:
             req.stepping = False
         done = self._settle(w, step, reply, now)

@@ -102,6 +102,11 @@ class Scheduler:
         self.core.worker_lost(name, time.monotonic())
         self._carry_out()
 
+    @property
+    def can_serve(self) -> bool:
+        """Some pair of workers takes new requests (none lost or draining)."""
+        return bool(self.core.serving_pairs)
+
     def workers(self) -> list[str]:
         """The names of the live workers."""
         return [w.name for w in self.core.workers]

@@ -30,7 +30,8 @@ class SchedulerMetrics:
         self.tokens = Counter("kvfence_tokens", "Tokens by tenant and kind: prompt (of finished requests), "
                               "completion (generated), cached (prompt tokens served from the prefix cache)",
                               ["tenant", "kind"], registry=r)
-        self.pages = Gauge("kvfence_kv_pages", "KV pages by role and state", ["role", "state"], registry=r)
+        self.pages = Gauge("kvfence_kv_pages", "KV pages by worker (its name: its role in one process, "
+                           "role@address elsewhere) and state", ["worker", "state"], registry=r)
         self.waiting = Gauge("kvfence_requests_waiting", "Requests waiting for pages", registry=r)
         self.running = Gauge("kvfence_requests_running", "Requests holding pages", registry=r)
         self.transfers = Counter("kvfence_kv_transfers", "KV transfers by result", ["result"], registry=r)
@@ -40,9 +41,11 @@ class SchedulerMetrics:
                                  buckets=(0.001, 0.0025, *_LATENCY_BUCKETS_S), registry=r)
         self.integrity_violations = Counter(
             "kvfence_kv_integrity_violations", "Reads refused by the owner-tag check or the KV sanitizer",
-            ["role", "check"], registry=r)
+            ["worker", "check"], registry=r)
         self.worker_restarts = Counter("kvfence_worker_restarts", "Worker restarts seen (new incarnations)",
-                                       ["role"], registry=r)
+                                       ["worker"], registry=r)
+        self.draining = Gauge("kvfence_worker_draining", "1 while a worker drains (it takes no new request)",
+                              ["worker"], registry=r)
         self.worker_losses = Counter("kvfence_worker_losses", "Workers lost (control connection dropped or "
                                      "membership expired), by worker", ["worker"], registry=r)
         self.retries = Counter("kvfence_request_retries", "Requests retried on another pair after a lost worker "
@@ -52,7 +55,7 @@ class SchedulerMetrics:
         self.preemptions = Counter("kvfence_preemptions", "Running requests sent back to the queue to be "
                                    "recomputed because the decode pool ran out", registry=r)
         self.quarantine_age = Gauge("kvfence_kv_quarantine_age_seconds",
-                                    "How long the oldest quarantine of a pool has lasted (0: none)", ["role"],
+                                    "How long the oldest quarantine of a pool has lasted (0: none)", ["worker"],
                                     registry=r)
 
     def rejected(self, reason: str) -> None:
@@ -61,11 +64,11 @@ class SchedulerMetrics:
     def preempted(self) -> None:
         self.preemptions.inc()
 
-    def integrity_violation(self, role: str, check: str = "owner_tag") -> None:
-        self.integrity_violations.labels(role, check).inc()
+    def integrity_violation(self, worker: str, check: str = "owner_tag") -> None:
+        self.integrity_violations.labels(worker, check).inc()
 
-    def worker_restart(self, role: str) -> None:
-        self.worker_restarts.labels(role).inc()
+    def worker_restart(self, worker: str) -> None:
+        self.worker_restarts.labels(worker).inc()
 
     def worker_lost(self, name: str) -> None:
         """Worker `name` is gone: counted, and its pool's series leave /metrics."""
@@ -75,10 +78,11 @@ class SchedulerMetrics:
                 self.pages.remove(name, state)
             except KeyError:
                 pass
-        try:
-            self.quarantine_age.remove(name)
-        except KeyError:
-            pass
+        for gauge in (self.quarantine_age, self.draining):
+            try:
+                gauge.remove(name)
+            except KeyError:
+                pass
 
     def retried(self) -> None:
         self.retries.inc()
@@ -113,16 +117,17 @@ class SchedulerMetrics:
             self.transfer_bytes.inc(nbytes)
             self.handoff.observe(handoff_s)
 
-    def pool(self, role: str, total: int, used: int, quarantined: int = 0, cached: int = 0,
-             quarantine_age_s: float = 0.0) -> None:
+    def pool(self, worker: str, total: int, used: int, quarantined: int = 0, cached: int = 0,
+             quarantine_age_s: float = 0.0, draining: bool = False) -> None:
         """`used`: pages leases hold (sealed ones they share included); `cached`: pages only the
         prefix cache holds (evictable)."""
-        self.pages.labels(role, "total").set(total)
-        self.pages.labels(role, "in_use").set(used)
-        self.pages.labels(role, "free").set(total - used - quarantined - cached)
-        self.pages.labels(role, "quarantined").set(quarantined)
-        self.pages.labels(role, "cached").set(cached)
-        self.quarantine_age.labels(role).set(quarantine_age_s)
+        self.draining.labels(worker).set(int(draining))
+        self.pages.labels(worker, "total").set(total)
+        self.pages.labels(worker, "in_use").set(used)
+        self.pages.labels(worker, "free").set(total - used - quarantined - cached)
+        self.pages.labels(worker, "quarantined").set(quarantined)
+        self.pages.labels(worker, "cached").set(cached)
+        self.quarantine_age.labels(worker).set(quarantine_age_s)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

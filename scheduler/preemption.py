@@ -41,7 +41,7 @@ class Preemption:
     if TYPE_CHECKING:
         config: SchedulerConfig
         metrics: SchedulerMetrics
-        pairs: list[Pair]
+        serving_pairs: list[Pair]
         queue: deque[Request]
 
         def requests_in(self, state: State) -> list[Request]: ...
@@ -102,7 +102,7 @@ class Preemption:
             return
         head = self.queue[0]
         room = []
-        for pair in self.pairs:
+        for pair in self.serving_pairs:
             needs = self._needs(pair, head.prefill_target)
             if all(w.ledger.can_reserve(n) for w, n in needs.items() if w is not pair.decode):
                 room.append((pair, needs))

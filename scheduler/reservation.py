@@ -45,6 +45,7 @@ class Reservation:
         metrics: SchedulerMetrics
         workers: list[WorkerBinding]
         pairs: list[Pair]
+        serving_pairs: list[Pair]
         _pairs_changed: bool
         _running: dict[State, dict[str, Request]]
         queue: deque[Request]
@@ -81,10 +82,11 @@ class Reservation:
         """Why no live pair can ever serve this request (None: one can). Over the context or a
         whole pool everywhere: 400; fits somewhere only with quarantined pages: 503 (and a log
         line); no pair at all: 503."""
-        if not self.pairs:
+        pairs = self.serving_pairs
+        if not pairs:
             return no_live_pair()
         refusals = []
-        for pair in self.pairs:
+        for pair in pairs:
             refusal = size_refusal(self.config, pair.max_context_tokens, pair.prefill.ledger, pair.decode.ledger,
                                    prompt_tokens, max_tokens) \
                 or self._quarantine_refusal(pair, prompt_tokens, prefill_tokens, max_tokens, now)
@@ -164,7 +166,7 @@ class Reservation:
         """The pair this attempt of `req` starts on now and the cached pages it shares there, or
         None when no live pair that can hold it has its pages free yet."""
         candidates = []
-        for pair in self.pairs:
+        for pair in self.serving_pairs:
             if size_refusal(self.config, pair.max_context_tokens, pair.prefill.ledger, pair.decode.ledger,
                             len(req.prompt), req.max_tokens) is not None:
                 continue

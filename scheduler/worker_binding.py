@@ -49,6 +49,7 @@ class WorkerBinding:
         self.table = LeaseTable(num_pages)
         self.incarnation = ""  # learned from the first reply
         self.in_flight: Step | None = None
+        self.draining = False  # it said it shuts down: nothing new starts on it
         self.last_sent_s = float("-inf")  # when the last message was built (the caller's clock)
 
     @property

@@ -30,9 +30,11 @@ def need_etcd() -> None:
 
 
 class EtcdServer:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, hosts: tuple[str, ...] = ()) -> None:
+        """Listening on loopback and on `hosts` (addresses of this namespace other hosts reach)."""
         need_etcd()
         self.directory = directory
+        self.hosts = hosts
         self.port, self.peer_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -41,9 +43,10 @@ class EtcdServer:
     def start(self) -> None:
         """Start (again, on the same ports and data) and wait until it answers."""
         url, peer = f"http://{self.address}", f"http://127.0.0.1:{self.peer_port}"
+        listen = ",".join([url, *(f"http://{h}:{self.port}" for h in self.hosts)])
         self._log = open(self.directory / "etcd.log", "a")
         self.proc = subprocess.Popen(
-            [ETCD, "--data-dir", str(self.directory / "data"), "--listen-client-urls", url,
+            [ETCD, "--data-dir", str(self.directory / "data"), "--listen-client-urls", listen,
              "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"default={peer}"], stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30

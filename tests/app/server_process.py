@@ -88,7 +88,7 @@ class ServerProcess(Subprocess):
         process; role@address for workers in other processes)."""
         headers = {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
         text = httpx.get(self.base_url + "/metrics", headers=headers, timeout=5).text
-        found = re.findall(r'^kvfence_kv_pages\{role="([^"]+)",state="in_use"\} (\S+)$', text, re.M)
+        found = re.findall(r'^kvfence_kv_pages\{state="in_use",worker="([^"]+)"\} (\S+)$', text, re.M)
         if not found:
             raise KeyError(f"no kvfence_kv_pages in_use series in /metrics:\n{text}")
         return {role: float(value) for role, value in found}

@@ -1,13 +1,33 @@
-"""Prefill and decode workers each in their own process (`kvfence worker`), driven by a front end
-in a third (`kvfence serve --discovery etcd://...` over tcp, where the workers register in a real
-etcd; `static://...` over the others): the KV crosses between two processes over tcp, nixl and
-mooncake, and answers equal the greedy references through the official openai
-client. Stopping the front end ends its leases on both workers; a new front end serves exactly
-again. A front end without the deployment secret gets nothing from the workers."""
+"""Prefill and decode workers each in their own process on its own host (`kvfence worker` in a
+network namespace of its own, tests/netns.py), driven by a front end in a third (`kvfence serve`
+here): the KV crosses from the prefill host to the decode host over their veth link, over tcp,
+nixl and mooncake, and answers equal the greedy references through the official openai client.
+Stopping the front end ends its leases on every worker; a new front end serves exactly again.
+
+Over tcp the workers register in a real etcd (`--discovery etcd://`), and the decode host runs two
+decode workers (one per GPU, as it were), both paired with the prefill worker. There, also:
+
+- a front end without the deployment secret gets nothing from the workers;
+- `kvfence status` lists every worker with its pool and health;
+- `kill -9` of a decode worker mid-stream: its streams end with a 503 worker_lost error (none
+  reports success), every other stream answers the reference, the front end stays ready, the
+  survivors' pages return to baseline, the surviving decode worker serves every request after,
+  and `kvfence status` stops listing the dead one within the lease TTL (FAILURES 29);
+- a decode worker that joins while serving is paired and serves;
+- etcd restarted under load: serving goes on, membership recovers (every worker registers again,
+  and a worker that joins after it is found) (FAILURES 30);
+- SIGTERM on a decode worker drains it: its streams finish, it takes nothing new, exits 0 and its
+  registration is revoked.
+"""
 
 from __future__ import annotations
 
+import json
 import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,28 +35,39 @@ from pathlib import Path
 import openai
 import pytest
 from etcd_server import EtcdServer
+from netns import TwoHosts
 from server_process import ServerProcess, WorkerProcess, secret_file
 
 MODEL = "SmolLM2-135M-Instruct"
 POOLS = ("--max-context", "2048", "--prefill-num-pages", "256", "--decode-num-pages", "512")
+STREAM_TOKENS = 96  # long enough to be mid-stream when a fault strikes
 
 
 class Deployment:
-    """Two workers and a front end; over tcp they find each other through a real etcd, over the
-    others through a static list."""
+    """Workers on two hosts and a front end here. Over tcp: a prefill and two decode workers that
+    find the front end through a real etcd; over the others: one of each, listed statically."""
 
-    def __init__(self, model: Path, transport: str, directory: Path) -> None:
-        self.model, self.transport, self.directory = model, transport, directory
+    def __init__(self, model: Path, transport: str, directory: Path, hosts: TwoHosts) -> None:
+        self.model, self.transport, self.directory, self.hosts = model, transport, directory, hosts
         self.secret = secret_file(directory)
-        self.etcd = EtcdServer(directory) if transport == "tcp" else None
-        registering = ("--discovery", f"etcd://{self.etcd.address}") if self.etcd else ()
-        common = ("--transport", transport, "--transport-secret-file", str(self.secret), *POOLS, *registering)
-        self.workers = [WorkerProcess(model, role, *common, log_path=directory / f"{role}.log")
-                        for role in ("prefill", "decode")]
+        self.etcd = EtcdServer(directory, (hosts.here("prefill"), hosts.here("decode"))) \
+            if transport == "tcp" else None
+        self.workers: list[WorkerProcess] = []
+        for role in ("prefill", "decode", "decode") if self.etcd else ("prefill", "decode"):
+            self.add_worker(role)
         for w in self.workers:
             w.wait_ready()
         self.fronts = 0
         self.front = self.start_front()
+
+    def add_worker(self, role: str) -> WorkerProcess:
+        registering = ("--discovery", f"etcd://{self.hosts.here(role)}:{self.etcd.port}") if self.etcd else ()
+        w = WorkerProcess(self.model, role, "--transport", self.transport, "--transport-secret-file", str(self.secret),
+                          "--transport-host", self.hosts.kv[role], *POOLS, *registering,
+                          log_path=self.directory / f"{role}{len(self.workers)}.log", host=self.hosts.host(role),
+                          prefix=self.hosts.prefix(role))
+        self.workers.append(w)
+        return w
 
     def start_front(self, *extra: str) -> ServerProcess:
         self.fronts += 1
@@ -47,22 +78,38 @@ class Deployment:
                               log_path=self.directory / f"front{self.fronts}.log")
         return front
 
+    def paired(self, decode: WorkerProcess) -> bool:
+        return re.search(rf"-> the decode worker at {re.escape(decode.control)} over {self.transport}",
+                         self.front.log()) is not None
+
     def stop(self) -> None:
-        codes = {"front": self.front.stop(), **{w.role: w.stop() for w in self.workers}}
+        killed = [w for w in self.workers if w.proc.poll() is not None]
+        codes = [self.front.stop(), *(w.stop() for w in self.workers if w not in killed)]
+        for w in killed:
+            w.stop()
         if self.etcd is not None:
             self.etcd.stop()
-        assert all(c == 0 for c in codes.values()), (codes, self.front.log(), *(w.log() for w in self.workers))
+        assert all(c == 0 for c in codes), (codes, self.front.log(), *(w.log() for w in self.workers))
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl", "mooncake"])
 def deployment(request: pytest.FixtureRequest, default_model_path: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    d = Deployment(default_model_path, request.param, tmp_path_factory.mktemp(f"remote-{request.param}"))
+    hosts = TwoHosts()
     try:
-        d.front.wait_ready()
-        yield d
+        d = Deployment(default_model_path, request.param, tmp_path_factory.mktemp(f"remote-{request.param}"), hosts)
+        try:
+            d.front.wait_ready()
+            yield d
+        finally:
+            d.stop()
     finally:
-        d.stop()
+        hosts.remove()
+
+
+def over_etcd(deployment: Deployment) -> None:
+    if deployment.etcd is None:
+        pytest.skip("membership and worker faults do not depend on the KV transport: checked over tcp")
 
 
 def greedy() -> dict:
@@ -95,7 +142,7 @@ def test_workers_in_their_own_processes_serve_the_references(deployment: Deploym
     assert moved >= len(reference["cases"])  # every prompt's KV crossed from one process to the other
     log = deployment.front.log()
     if deployment.etcd is not None:
-        assert "etcd at" in log and "lists 2 workers" in log, log
+        assert "etcd at" in log and "lists 3 workers" in log, log
     assert re.search(rf"paired the prefill worker at \S+ -> the decode worker at \S+ over {deployment.transport}",
                      log), log
 
@@ -115,8 +162,7 @@ def test_a_new_front_end_serves_after_the_last_one_left(deployment: Deployment, 
 def test_a_front_end_without_the_secret_gets_nothing(deployment: Deployment, tmp_path: Path) -> None:
     """While one front end owns the workers, a second with the wrong deployment secret fails the
     handshake, says so and exits 1; the workers log the refusal and keep serving the first."""
-    if deployment.transport != "tcp":
-        pytest.skip("the control connection's handshake does not depend on the KV transport: checked over tcp")
+    over_etcd(deployment)
     other = secret_file(tmp_path)
     discovery = "static://" + ",".join(w.control for w in deployment.workers)
     stranger = ServerProcess(deployment.model, "--discovery", discovery, "--transport-secret-file", str(other),
@@ -127,3 +173,160 @@ def test_a_front_end_without_the_secret_gets_nothing(deployment: Deployment, tmp
     assert any("control connection from" in line and "refused" in line
                for w in deployment.workers for line in w.log().splitlines())
     assert deployment.front.metric("kvfence_ready") == 1.0
+
+
+def until(condition, timeout_s: float = 30, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.1)
+
+
+def client(front: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=front.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_case(reference: dict, i: int) -> dict:
+    chats = [c for c in reference["cases"] if c["kind"] == "chat"]
+    return chats[i % len(chats)]
+
+
+class Stream(threading.Thread):
+    """One streamed greedy chat completion; `text`, and `error` (the openai error) when it failed."""
+
+    def __init__(self, front: ServerProcess, case: dict, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.front, self.case, self.max_tokens = front, case, max_tokens
+        self.text, self.error = "", None  # type: str, openai.APIError | None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with client(self.front) as c:
+                stream = c.chat.completions.create(model=MODEL, messages=self.case["messages"], stream=True,
+                                                   max_tokens=self.max_tokens, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        self.text += chunk.choices[0].delta.content
+                        self.started.set()
+        except openai.APIError as e:
+            self.error = e
+        finally:
+            self.started.set()
+
+
+def streams(front: ServerProcess, reference: dict, n: int, max_tokens: int) -> list[Stream]:
+    out = [Stream(front, chat_case(reference, i), max_tokens) for i in range(n)]
+    for s in out:
+        s.start()
+    return out
+
+
+def signalled_mid_stream(deployment: Deployment, reference: dict, worker: WorkerProcess,
+                         signum: signal.Signals) -> list[Stream]:
+    """Six streams, `signum` sent to `worker` once each has its first token; the streams, ended."""
+    running = streams(deployment.front, reference, 6, STREAM_TOKENS)
+    for s in running:
+        assert s.started.wait(120)
+    worker.proc.send_signal(signum)
+    for s in running:
+        s.join(180)
+    return running
+
+
+def all_served(front: ServerProcess, reference: dict, n: int) -> None:
+    for s in streams(front, reference, n, 24):
+        s.join(120)
+        assert s.error is None and s.text.startswith(s.case["text_until_eos"][:40]), (s.error, s.text)
+
+
+def at_baseline(front: ServerProcess) -> None:
+    until(lambda: not any(front.pages_in_use().values()), 15, f"pages back: {front.pages_in_use()}")
+
+
+def status(deployment: Deployment) -> dict[str, dict]:
+    done = subprocess.run([sys.executable, "-m", "kvfence.app.cli", "status", "--discovery",
+                           f"etcd://{deployment.etcd.address}", "--front", deployment.front.base_url, "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return {row["name"]: row for row in json.loads(done.stdout)}
+
+
+def test_status_lists_every_worker_with_its_pool_and_health(deployment: Deployment) -> None:
+    over_etcd(deployment)
+    until(lambda: all(deployment.paired(w) for w in deployment.workers[1:]), 60, "both decode workers paired")
+    rows = status(deployment)
+    assert sorted(rows) == sorted(f"{w.role}@{w.control}" for w in deployment.workers)
+    for w in deployment.workers:
+        row = rows[f"{w.role}@{w.control}"]
+        total = 256 if w.role == "prefill" else 512
+        assert row["health"] == "serving" and row["device"] == "cpu" and len(row["incarnation"]) == 32, row
+        assert row["pages"]["total"] == total and row["pages"]["in_use"] == 0 and row["pages"]["quarantined"] == 0
+        assert row["pages"]["free"] + row["pages"]["cached"] == total
+
+
+def test_kill_9_of_a_decode_worker_mid_stream(deployment: Deployment, reference: dict) -> None:
+    over_etcd(deployment)
+    until(lambda: all(deployment.paired(w) for w in deployment.workers[1:]), 60, "both decode workers paired")
+    victim = deployment.workers[2]
+    running = signalled_mid_stream(deployment, reference, victim, signal.SIGKILL)
+    lost = [s for s in running if s.error is not None]
+    assert lost, "no stream was on the killed worker"
+    for s in lost:
+        assert isinstance(s.error, openai.APIError) and "worker" in str(s.error) and "lost" in str(s.error), s.error
+    for s in running:
+        assert s.text.startswith(s.case["text_until_eos"]) or s.case["text_until_eos"].startswith(s.text), s.case["id"]
+    assert f"decode@{victim.control} was lost" in deployment.front.log()
+    at_baseline(deployment.front)
+    assert not any(victim.control in name for name in deployment.front.pages_in_use())  # its series left /metrics
+    assert deployment.front.metric("kvfence_ready") == 1.0
+    all_served(deployment.front, reference, 4)  # the surviving decode worker serves everything
+    at_baseline(deployment.front)
+    until(lambda: f"decode@{victim.control}" not in status(deployment), 20, "the killed worker's lease expired")
+
+
+def test_a_decode_worker_that_joins_while_serving_is_paired(deployment: Deployment, reference: dict) -> None:
+    over_etcd(deployment)
+    load = streams(deployment.front, reference, 3, STREAM_TOKENS)
+    joined = deployment.add_worker("decode")
+    joined.wait_ready()
+    until(lambda: deployment.paired(joined), 60, "the joining decode worker paired")
+    for s in load:
+        s.join(180)
+        assert s.error is None, s.error
+    all_served(deployment.front, reference, 6)
+    at_baseline(deployment.front)
+
+
+def test_etcd_restarted_under_load(deployment: Deployment, reference: dict) -> None:
+    over_etcd(deployment)
+    load = streams(deployment.front, reference, 4, STREAM_TOKENS)
+    deployment.etcd.stop()
+    all_served(deployment.front, reference, 2)  # the data path never needs etcd
+    deployment.etcd.start()
+    for s in load:
+        s.join(180)
+        assert s.error is None, s.error
+    live = {w.control for w in deployment.workers if w.proc.poll() is None}
+    until(lambda: deployment.etcd.registered_controls() == live, 30, "every live worker registered again")
+    late = deployment.add_worker("decode")  # membership is followed again after the restart
+    late.wait_ready()
+    until(lambda: deployment.paired(late), 60, "a worker joining after the restart paired")
+    all_served(deployment.front, reference, 4)
+    at_baseline(deployment.front)
+
+
+def test_sigterm_drains_a_decode_worker(deployment: Deployment, reference: dict) -> None:
+    """Its streams finish, nothing new goes to it, it exits 0 and leaves etcd; the others serve."""
+    over_etcd(deployment)
+    leaving = next(w for w in reversed(deployment.workers) if w.role == "decode" and w.proc.poll() is None)
+    for s in signalled_mid_stream(deployment, reference, leaving, signal.SIGTERM):
+        assert s.error is None and s.text.startswith(s.case["text_until_eos"]), (s.error, s.case["id"])
+    assert leaving.proc.wait(60) == 0, leaving.log()
+    assert "draining" in leaving.log()
+    assert f"decode@{leaving.control} is draining" in deployment.front.log()
+    until(lambda: leaving.control not in (deployment.etcd.registered_controls() or {leaving.control}), 15,
+          "its registration revoked")
+    all_served(deployment.front, reference, 4)
+    at_baseline(deployment.front)

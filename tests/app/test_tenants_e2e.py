@@ -173,11 +173,11 @@ def test_flushing_the_cache_needs_the_admin_key_and_returns_every_page(server: S
     for key in (None, KEY_A, "wrong"):
         refused = flush(server, key)
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
-    until(lambda: metric(server, "kvfence_kv_pages", role="prefill", state="cached") > 0, 10, "cached pages")
+    until(lambda: metric(server, "kvfence_kv_pages", worker="prefill", state="cached") > 0, 10, "cached pages")
     done = flush(server, ADMIN)
     assert done.status_code == 200 and done.json()["flushed"] is True
     assert sum(done.json()["pages_freed"].values()) > 0
     for role in ("prefill", "decode"):
-        until(lambda role=role: metric(server, "kvfence_kv_pages", role=role, state="free")
-              == metric(server, "kvfence_kv_pages", role=role, state="total"), 10, f"every {role} page free")
-        assert metric(server, "kvfence_kv_pages", role=role, state="cached") == 0
+        until(lambda role=role: metric(server, "kvfence_kv_pages", worker=role, state="free")
+              == metric(server, "kvfence_kv_pages", worker=role, state="total"), 10, f"every {role} page free")
+        assert metric(server, "kvfence_kv_pages", worker=role, state="cached") == 0

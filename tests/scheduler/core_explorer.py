@@ -7,8 +7,9 @@ pages its steps send, then checks and writes the pages of every sequence it runs
 quietly, or fails loud (its cancellation unacknowledged) and may then write late until it is
 reported quiet. `explore` runs a breadth-first search over every interleaving of the events a
 state enables (submit, abort, step reply, failed step, worker restart, transfer success, quiet
-failure, loud failure, late write, quiet, tick), within budgets of each, deduplicating states, and
-checks the invariants of BRIEF.md after every event:
+failure, loud failure, late write, quiet, tick, and — with a second decode worker — the loss of
+a worker), within budgets of each, deduplicating states, and checks the invariants of BRIEF.md
+after every event:
 
 - the ledgers account for every page, and no page is held by two leases;
 - no step reads or writes a page whose tag is not the reader's lease, nor reads a slot its lease
@@ -17,8 +18,12 @@ checks the invariants of BRIEF.md after every event:
   still touch is held by its lease, owned or quarantined;
 - terminal states are monotone: one terminal delta per request, nothing after it, and no token of a
   disaggregated request before its KV landed;
-- once no event is enabled, every request is terminal, every page is free and untagged, and no
-  worker keeps a page table.
+- once no event is enabled, every request is terminal, every page of a live worker is free and
+  untagged (but for pages quarantined by a transfer whose sender was lost: nothing can ever say
+  its writes are over), and no live worker keeps a page table.
+
+A lost worker drops its step in flight; a transfer touching it fails as the transfer link would
+see it (the lost end acknowledges nothing); its pool goes with it.
 
 BFS finds the shortest event trace that breaks an invariant; `Violation` carries it.
 """
@@ -70,6 +75,7 @@ class Budget:
     ticks: int = 1
     transfer_faults: int = 1  # quiet or loud failures, in all
     flushes: int = 0  # POST /admin/flush_cache
+    losses: int = 0  # workers lost (control connection dropped)
 
 
 @dataclasses.dataclass
@@ -152,21 +158,28 @@ class Transfer:
     manifest: TransferManifest
     loud: bool = False  # failed with its cancellation unacknowledged: a write may still land
     watched: bool = False
+    orphaned: bool = False  # its sender was lost: it is never reported quiet
+    source_done: bool = False  # its sender acknowledged the cancel: it reads no source page any more
 
 
 class World:
     """The core and its surroundings; `events()` lists what may happen next."""
 
     def __init__(self, tokenizer: Tokenizer, config: SchedulerConfig, pages: int, prompts: list[list[int]],
-                 params: SamplingParams, budget: Budget) -> None:
+                 params: SamplingParams, budget: Budget, decodes: int = 1) -> None:
+        """`decodes`: decode workers, each paired with the one prefill worker (disaggregated)."""
         ids = itertools.count(1)
         self.config = config
         self.prefill = WorkerBinding("prefill" if config.disaggregated else "colocated", pages)
         self.decode = WorkerBinding("decode", pages) if config.disaggregated else self.prefill
         self.core = SchedulerCore(config, tokenizer, self.prefill, self.decode, SchedulerMetrics(),
                                   mint=lambda: next(ids) << 64 | 0xABC)
+        for i in range(2, decodes + 1):
+            self.core.add_pair(self.prefill, WorkerBinding(f"decode-{i}", pages, "decode"))
+        self.bindings = {w.name: w for w in self.core.workers}  # the lost ones too
         self.sims = {w.name: SimWorker(w.name, config.page_size_tokens) for w in self.core.workers}
-        self.receiver = ReceiverState(pages, 1, "none")
+        self.receivers = {w.name: ReceiverState(pages, 1, "none") for w in self.core.workers if w.role == "decode"}
+        self.lost: set[str] = set()
         self.prompts, self.params, self.budget = prompts, params, dataclasses.replace(budget)
         self.now = 0.0
         self.submitted: list[str | None] = []  # request ids, in submission order (None: refused)
@@ -186,6 +199,10 @@ class World:
                 if rid is not None and self.core.request(rid) is not None:
                     out.append((f"abort r{i}", lambda rid=rid: self.abort(rid)))
         for name, sim in self.sims.items():
+            if name in self.lost:
+                continue
+            if self.budget.losses:
+                out.append((f"lose {name}", lambda name=name: self.lose(name)))
             if sim.message is not None:
                 out.append((f"reply {name}", lambda name=name: self.reply(name)))
                 if self.budget.failed_steps:
@@ -193,6 +210,8 @@ class World:
             if self.budget.restarts:
                 out.append((f"restart {name}", lambda name=name: self.restart(name)))
         for key, t in self.transfers.items():
+            if t.orphaned and t.start.receiver in self.lost:
+                continue  # both ends gone: nothing of it is left to happen
             if not t.loud:
                 out.append((f"transfer {key} lands", lambda key=key: self.land(key)))
                 if self.budget.transfer_faults:
@@ -200,8 +219,9 @@ class World:
                     out.append((f"transfer {key} times out, cancel unacknowledged",
                                 lambda key=key: self.fail(key, loud=True)))
             else:
-                out.append((f"transfer {key} writes late", lambda key=key: self.late_write(key)))
-                if t.watched:
+                if t.start.receiver not in self.lost:
+                    out.append((f"transfer {key} writes late", lambda key=key: self.late_write(key)))
+                if t.watched and not t.orphaned:
                     out.append((f"transfer {key} is quiet", lambda key=key: self.quiet(key)))
         if self.budget.ticks and self.core.queue:
             out.append(("tick past the queue deadline", self.tick))
@@ -240,20 +260,46 @@ class World:
         sim.page_tables.clear()
         sim.tenants.clear()
 
+    def lose(self, name: str) -> None:
+        """Worker `name` is gone: its step in flight never replies, and every transfer touching it
+        fails as the link sees it (the lost end acknowledges no cancel; a lost sender can never
+        say its writes are over)."""
+        self.budget.losses -= 1
+        self.lost.add(name)
+        self.sims[name].message = None
+        self.core.worker_lost(name, self.now)
+        for key, t in list(self.transfers.items()):
+            if name not in (t.start.sender, t.start.receiver):
+                continue
+            sender_lost = t.start.sender in self.lost
+            t.orphaned = sender_lost
+            if t.loud:
+                continue  # it failed already; a lost sender now never reports it quiet
+            self.receivers[t.start.receiver].cancel(t.manifest.transfer_id)
+            t.loud, t.source_done = True, not sender_lost
+
+            async def until_quiet() -> bool:  # never awaited: `quiet` is the event that says so
+                return True
+
+            self.core.transfer_finished(key, MoveResult(False, "a worker was lost", quiet=False,
+                                                        source_quiet=not sender_lost, until_quiet=until_quiet),
+                                        self.now)
+
     def land(self, key: int) -> None:
         t = self.transfers.pop(key)
-        adm = self.receiver.admit(t.manifest, t.start.dst_pages, 1)
+        receiver = self.receivers[t.start.receiver]
+        adm = receiver.admit(t.manifest, t.start.dst_pages, 1)
         if adm.reject_reason:
             raise Broken(f"transfer {key}: the receiver refused the planned push ({adm.reject_reason})")
         self._write(t, why="lands")
-        self.receiver.finish(adm, adm.num_pages, [], [])
+        receiver.finish(adm, adm.num_pages, [], [])
         self.landed.add(t.start.request_id)
         self.core.transfer_finished(key, MoveResult(True, nbytes=adm.num_pages), self.now)
 
     def fail(self, key: int, loud: bool) -> None:
         self.budget.transfer_faults -= 1
         t = self.transfers[key]
-        self.receiver.cancel(t.manifest.transfer_id)
+        self.receivers[t.start.receiver].cancel(t.manifest.transfer_id)
         if not loud:
             del self.transfers[key]
             self.core.transfer_finished(key, MoveResult(False, "injected"), self.now)
@@ -282,12 +328,12 @@ class World:
         """The bytes of a transfer land in its destination pages (one-sided: the receiver cannot
         stop them): each must still be its lease's, owned or quarantined."""
         lease = t.start.dst_lease
-        ledger = self.decode.ledger
+        ledger = self.bindings[t.start.receiver].ledger
         for page in t.start.dst_pages[:t.manifest.num_pages]:
             if page not in ledger.pages(lease) and page not in ledger.quarantined_pages(lease):
                 raise Broken(f"transfer of lease {id_hex(lease)[-6:]} {why} into page {page}, which it no longer holds")
         # the plan's pages in order: positions relative to its first page (which starts a page)
-        self.sims[self.decode.name].write(lease, t.start.dst_pages, 0, t.start.num_tokens - t.start.first_token)
+        self.sims[t.start.receiver].write(lease, t.start.dst_pages, 0, t.start.num_tokens - t.start.first_token)
 
     # ---- actions ----
 
@@ -313,7 +359,7 @@ class World:
                 num_pages = len(action.dst_pages)
                 manifest = TransferManifest(f"t{key}", id_hex(action.dst_lease), f"n{key}",
                                             action.num_tokens - action.first_token, num_pages)
-                self.receiver.expect(manifest, action.dst_pages[:num_pages])
+                self.receivers[action.receiver].expect(manifest, action.dst_pages[:num_pages])
                 self.transfers[action.key] = Transfer(action, manifest)
             elif isinstance(action, WatchQuiet):
                 self.transfers[action.key].watched = True
@@ -326,9 +372,12 @@ class World:
             w.ledger.check_integrity()
         for t in self.transfers.values():  # every page a transfer may still touch is its lease's
             num_pages = t.manifest.num_pages
-            for ledger, lease, pages, side in (
-                    (self.decode.ledger, t.start.dst_lease, t.start.dst_pages[:num_pages], "destination"),
-                    (self.prefill.ledger, t.start.src_lease, t.start.src_pages[:num_pages], "source")):
+            for name, lease, pages, side in (
+                    (t.start.receiver, t.start.dst_lease, t.start.dst_pages[:num_pages], "destination"),
+                    (t.start.sender, t.start.src_lease, t.start.src_pages[:num_pages], "source")):
+                if name in self.lost or (side == "source" and t.source_done):  # its pool went with it
+                    continue
+                ledger = self.bindings[name].ledger
                 mine = ledger.pages(lease) + ledger.quarantined_pages(lease)
                 if side == "source":  # a push reads sealed pages its lease shares; it never writes one
                     mine += ledger.shared_pages(lease)
@@ -339,8 +388,14 @@ class World:
             req = self.core.request(rid)
             if req is None:
                 continue
-            for w, lease, pages in ((self.prefill, req.prefill_lease, req.prefill_pages),
-                                    (self.decode, req.decode_lease, req.decode_pages)):
+            if req.pair is None:
+                if req.prefill_lease or req.decode_lease:
+                    raise Broken(f"request {rid[-6:]} holds leases without a pair")
+                continue
+            for w, lease, pages in ((req.pair.prefill, req.prefill_lease, req.prefill_pages),
+                                    (req.pair.decode, req.decode_lease, req.decode_pages)):
+                if w.name in self.lost:
+                    continue
                 if lease and w.table.tenant_of(lease) != req.tenant:
                     raise Broken(f"lease {id_hex(lease)[-6:]} of tenant {req.tenant} is carried as "
                                  f"{w.table.tenant_of(lease)!r}'s")
@@ -362,7 +417,7 @@ class World:
                 raise Broken(f"r{i} is not terminal once no event is left")
         for w in self.core.workers:
             ledger, sim = w.ledger, self.sims[w.name]
-            if ledger.num_in_use:
+            if ledger.num_in_use != self._orphaned_pages(w):
                 raise Broken(f"{ledger.num_in_use} pages of the {w.name} pool are held once no event is left")
             cached = {p for p in range(ledger.num_pages) if ledger.is_sealed(p)}
             seals = set(self.core._seals.values())  # noqa: SLF001
@@ -370,6 +425,8 @@ class World:
             if not unseen_restart and (set(sim.tags) != cached or any(sim.tags[p] not in seals for p in cached)):
                 raise Broken(f"pages {sorted(sim.tags)} of the {w.name} pool are tagged, but only the cached "
                              f"pages {sorted(cached)} should be, with a seal")
+            if self._orphaned_pages(w):
+                continue  # its orphaned quarantine keeps a lease (and its tags) for good
             if sim.page_tables or sim.tenants:
                 raise Broken(f"the {w.name} worker still keeps the page tables or tenants of ended leases")
             if w.table.num_leases:
@@ -385,9 +442,16 @@ class World:
             world.reply(busy[0])
             world.carry_out()
         for w in world.core.workers:
+            if world._orphaned_pages(w):  # noqa: SLF001
+                continue
             if w.ledger.num_used or world.sims[w.name].tags:
                 raise Broken(f"after a flush, {w.ledger.num_used} pages of the {w.name} pool are not free "
                              f"(tagged: {sorted(world.sims[w.name].tags)})")
+
+    def _orphaned_pages(self, w: WorkerBinding) -> int:
+        """Pages of `w`'s pool quarantined for good: by transfers whose sender was lost."""
+        return sum(len(w.ledger.quarantined_pages(t.start.dst_lease)) for t in self.transfers.values()
+                   if t.orphaned and t.start.receiver == w.name)
 
     def sharing(self) -> bool:
         """Some live request reads a page it shares from a pool's prefix cache."""
@@ -400,7 +464,8 @@ class World:
             req = self.core.request(rid) if rid else None
             reqs.append(None if req is None else (req.state.value, len(req.tokens), req.prefilled, req.pending_end
                                                   is not None, req.prefill_lease, req.decode_lease,
-                                                  tuple(req.decode_pages), req.stepping, req.transfer))
+                                                  tuple(req.decode_pages), req.stepping, req.transfer,
+                                                  req.pending_retry, req.attempt))
         tables = [(list(w.ledger._free), sorted(w.ledger._owned.items()), sorted(w.ledger._quarantined.items()),  # noqa: SLF001
                    sorted(w.ledger._refs.items()), list(w.ledger._idle), sorted(w.ledger._key_of.items()),  # noqa: SLF001
                    sorted(w.table._sealing.items()), sorted(w.table._tenant.items()),  # noqa: SLF001
@@ -410,9 +475,10 @@ class World:
                  sorted(s.tenants.items()), s.incarnation, s.message) for s in self.sims.values()]
         outs = {rid: [(d.delta.token_ids, d.delta.finish_reason, d.delta.error and d.delta.error.code)
                       for d in ds] for rid, ds in self.deltas.items()}
-        transfers = sorted((k, t.loud, t.watched) for k, t in self.transfers.items())
+        transfers = sorted((k, t.loud, t.watched, t.orphaned) for k, t in self.transfers.items())
         return repr((reqs, tables, sims, outs, transfers, self.submitted, dataclasses.astuple(self.budget),
-                     self.core.queue and [r.request_id for r in self.core.queue]))
+                     self.core.queue and [r.request_id for r in self.core.queue], sorted(self.lost),
+                     [(r.pair.name if r and r.pair else None) for r in map(self.core.request, filter(None, self.submitted))]))
 
 
 @dataclasses.dataclass

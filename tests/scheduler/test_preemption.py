@@ -245,8 +245,8 @@ async def test_admission_counts_only_pages_that_can_still_become_free(tiny: Chec
     lease = quarantine_pages(s, 8)  # 16 of 24 pages can still become free
     s.refresh_metrics()
     text = s.metrics.render()[0].decode()
-    assert 'kvfence_kv_pages{role="colocated",state="quarantined"} 8.0' in text
-    assert 'kvfence_kv_quarantine_age_seconds{role="colocated"}' in text
+    assert 'kvfence_kv_pages{state="quarantined",worker="colocated"} 8.0' in text
+    assert 'kvfence_kv_quarantine_age_seconds{worker="colocated"}' in text
     long_params = SamplingParams(temperature=0, max_tokens=CONTEXT - 16, ignore_eos=True)  # 24 pages in all
     with pytest.raises(AdmissionRejected) as info:
         s.submit(list(range(3, 19)), long_params)

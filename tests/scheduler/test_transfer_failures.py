@@ -111,7 +111,7 @@ async def test_an_unacknowledged_cancel_keeps_the_pages_quarantined(tiny: Checkp
         assert s.scheduler.pages_in_use() == {"prefill": 3, "decode": stuck}
         s.scheduler.refresh_metrics()
         text = s.scheduler.metrics.render()[0].decode()
-        assert f'kvfence_kv_pages{{role="decode",state="quarantined"}} {float(stuck)}' in text
+        assert f'kvfence_kv_pages{{state="quarantined",worker="decode"}} {float(stuck)}' in text
         # the next request (the third push; the fourth would be stuck again) is served exactly, on
         # other pages
         assert (await outcome(s.scheduler.submit(PROMPT, GREEDY))) == (want, "length", None)

@@ -60,11 +60,13 @@ class Outcome:
     """What one request's stream delivered: its tokens, or its error."""
 
     def __init__(self) -> None:
+        self.request_id = ""
         self.tokens: list[int] = []
         self.error: tuple[int, str] | None = None
         self.done = anyio.Event()
 
     async def read(self, handle: RequestHandle) -> None:
+        self.request_id = handle.request_id
         async for d in handle.deltas():
             self.tokens += d.token_ids
             if d.error is not None:
@@ -87,8 +89,11 @@ async def until(condition, timeout_s: float = 20) -> None:  # type: ignore[no-un
             await anyio.sleep(0.005)
 
 
-def decoding_on(scheduler: Scheduler) -> set[str]:
-    return {r.pair.decode.name for r in scheduler.requests_in(State.DECODING) if r.pair is not None}
+def decoding_on(scheduler: Scheduler, outcomes: list[Outcome] | None = None) -> set[str]:
+    """The decode workers some request decodes on now (of `outcomes`' requests, when given)."""
+    ids = None if outcomes is None else {o.request_id for o in outcomes}
+    return {r.pair.decode.name for r in scheduler.requests_in(State.DECODING)
+            if r.pair is not None and (ids is None or r.request_id in ids)}
 
 
 async def finish(tg: anyio.abc.TaskGroup, fleet: Fleet, scheduler: Scheduler) -> None:
@@ -104,7 +109,7 @@ async def run_watching(scheduler: Scheduler, prompts: list[list[int]]) -> tuple[
     async with anyio.create_task_group() as streams:
         outcomes = start(streams, scheduler, prompts, MAX_TOKENS)
         while not all(o.done.is_set() for o in outcomes):
-            seen |= decoding_on(scheduler)
+            seen |= decoding_on(scheduler, outcomes)
             await anyio.sleep(0.005)
     return outcomes, seen
 
@@ -180,4 +185,34 @@ async def test_a_worker_whose_pool_disagrees_is_refused_at_pairing(tiny: Checkpo
         async with anyio.create_task_group() as streams:
             outcomes = start(streams, scheduler, LONG, 8)
         assert [o.tokens for o in outcomes] == want
+        await finish(tg, fleet, scheduler)
+
+
+@pytest.mark.anyio
+async def test_a_draining_worker_finishes_its_requests_and_takes_no_new_one(tiny: Checkpoint) -> None:
+    want = offline(tiny, LONG, MAX_TOKENS)
+    secret = DeploymentSecret.generate()
+    async with anyio.create_task_group() as tg:
+        hosted = await host_pair(tg, tiny, secret, ("prefill", "decode", "decode"))
+        fleet, scheduler = await serve(tg, hosted, secret, tiny)
+        draining, other = hosted[1], hosted[2]
+        drained = anyio.Event()
+
+        async def drain() -> None:
+            assert await draining.server.drain(30)
+            drained.set()
+
+        async with anyio.create_task_group() as streams:
+            running = start(streams, scheduler, LONG, MAX_TOKENS)
+            await until(lambda: len(decoding_on(scheduler)) == 2)
+            streams.start_soon(drain)
+            await until(lambda: scheduler.core.worker(f"decode@{draining.address}").draining)
+            later, seen = await run_watching(scheduler, LONG)  # while it drains: all on the other one
+        assert [o.tokens for o in running] == want and all(o.error is None for o in running)
+        assert [o.tokens for o in later] == want and seen == {f"decode@{other.address}"}
+        await until(drained.is_set)
+        assert len(draining.worker.page_tables) == 0
+        draining.kill()  # it stops: its loss ends nothing
+        await until(lambda: len(scheduler.core.workers) == 2)
+        assert scheduler.metrics.retries._value.get() == 0  # noqa: SLF001
         await finish(tg, fleet, scheduler)
