@@ -123,6 +123,7 @@ class Fleet:
         self.pairs: list[RemotePair] = []
         self.scheduler: Scheduler | None = None
         self._joining: set[str] = set()
+        self._closing = False
 
     async def join(self, address: str, wait_s: float = CONNECT_WAIT_S) -> bool:
         """Connect to the worker at `address` and pair it with the others; False (logged) when it
@@ -173,6 +174,8 @@ class Fleet:
 
     async def _watch(self, worker: RemoteWorker) -> None:
         await worker.lost.wait()
+        if self._closing:  # the front end is stopping: nothing is lost
+            return
         if self.workers.get(worker.address) is worker:
             del self.workers[worker.address]
         self.pairs = [p for p in self.pairs if worker not in (p.prefill, p.decode)]
@@ -204,6 +207,7 @@ class Fleet:
         return scheduler
 
     def close(self) -> None:
+        self._closing = True
         for worker in list(self.workers.values()):
             worker.close()
 

@@ -8,9 +8,11 @@
   a veth pair between them and the control connections a veth pair each.
 
 Each shape serves the same streamed completions (scripts/bench_serve.py) at every concurrency
-level; the table has TTFT, inter-token latency and output tokens/s. Also measured: the control
-channel's own cost per step, as the round trip of an empty step (no sequences) to a worker in
-another process against the same step to a worker in this process.
+level; the table has TTFT, inter-token latency and output tokens/s. Each worker process gets
+`--worker-threads` intra-op threads (default half the cores: the two "hosts" share this machine),
+the in-process server all of them for one step at a time. Also measured: the control channel's
+own cost per step, as the round trip of an empty step (no sequences) over an authenticated
+loopback control connection against the same step through the in-process channel.
 
   sudo .venv/bin/python scripts/bench_remote.py --transports tcp,nixl,mooncake --concurrency 1,16
 """
@@ -61,9 +63,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kvfence(*args: str, log: Path, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+def kvfence(*args: str, log: Path, prefix: tuple[str, ...] = (), threads: int | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.Popen([*prefix, sys.executable, "-m", "kvfence.app.cli", *args], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            stderr=subprocess.STDOUT, env=env)
 
 
 def wait_for(condition, what: str, timeout_s: float = 300) -> None:  # type: ignore[no-untyped-def]
@@ -117,7 +122,7 @@ class Namespaces:
 
 
 class Deployment:
-    def __init__(self, shape: str, transport: str, model: str, directory: Path) -> None:
+    def __init__(self, shape: str, transport: str, model: str, directory: Path, worker_threads: int) -> None:
         self.procs: list[subprocess.Popen] = []
         self.hosts = Namespaces() if shape == "namespaces" else None
         port = free_port()
@@ -136,7 +141,7 @@ class Deployment:
                 control = f"{host}:{free_port()}"
                 where = ("--transport-host", self.hosts.kv[role]) if self.hosts else ()
                 self.procs.append(kvfence("worker", "--role", role, "--control", control, *common, *POOLS, *where,
-                                          log=directory / f"{role}.log",
+                                          log=directory / f"{role}.log", threads=worker_threads,
                                           prefix=(self.hosts.ip, "netns", "exec", self.hosts.ns[role])
                                           if self.hosts else ()))
                 controls.append(control)
@@ -203,12 +208,16 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--control-steps", type=int, default=2000, help="empty steps for the control channel's cost")
+    ap.add_argument("--worker-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="intra-op threads of each worker process (default: half the cores, as if each worker had "
+                         "a host of its own; the in-process server runs one step at a time on all of them)")
     args = ap.parse_args()
     if args.model is None:
         args.model = str(resolve_model(None, kvfence_home(), progress=False))
     remote_s, local_s = anyio.run(control_channel_cost, args.model, args.control_steps)
-    print(f"control channel, empty step round trip: {remote_s * 1e6:.0f} us to another process, "
-          f"{local_s * 1e6:.0f} us in this process (+{(remote_s - local_s) * 1e6:.0f} us per step)", flush=True)
+    print(f"control channel, empty step round trip: {remote_s * 1e6:.0f} us over a loopback control connection, "
+          f"{local_s * 1e6:.0f} us through the in-process channel (+{(remote_s - local_s) * 1e6:.0f} us per step)",
+          flush=True)
     shapes = args.shapes.split(",")
     if "namespaces" in shapes and os.geteuid() != 0:
         print("namespaces: skipped (needs root)")
@@ -220,7 +229,7 @@ def main() -> None:
     for transport in args.transports.split(","):
         for shape in shapes:
             directory = Path(tempfile.mkdtemp(prefix=f"bench-{shape}-{transport}-"))
-            d = Deployment(shape, transport, args.model, directory)
+            d = Deployment(shape, transport, args.model, directory, args.worker_threads)
             try:
                 for c in levels:
                     bench = argparse.Namespace(url=d.url, model="SmolLM2-135M-Instruct", requests=args.requests,
