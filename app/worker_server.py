@@ -94,6 +94,7 @@ class WorkerServer:
         self.served = 0  # schedulers served so far (tests wait on it)
         self.draining = False
         self._told = False  # a reply saying so reached the scheduler's connection
+        self._stepped = False  # its scheduler has sent it a step (it may route to it)
 
     def describe(self) -> Description:
         pool = self.worker.pool
@@ -128,7 +129,7 @@ class WorkerServer:
         if self.owner is not None:
             await self._refuse(channel, f"this {self.worker.role} worker already serves the scheduler at {self.owner}")
             return
-        self.owner = peer
+        self.owner, self._stepped = peer, False
         log.info("%s worker: serving the scheduler at %s (incarnation %s)", self.worker.role, peer,
                  self.worker.incarnation)
         try:
@@ -163,6 +164,7 @@ class WorkerServer:
 
         async def run_steps() -> None:  # one at a time, in arrival order
             async for call in steps_out:
+                self._stepped = True
                 reply = await self.compute.run(self.worker.execute, call.body)
                 draining = self.draining
                 if draining:
@@ -193,13 +195,15 @@ class WorkerServer:
             tg.cancel_scope.cancel()
 
     async def drain(self, timeout_s: float) -> bool:
-        """Take nothing new (every reply says so) and wait until the scheduler was told and this
-        worker holds no live lease and no unsettled transfer; False when `timeout_s` passed first."""
+        """Take nothing new (every reply says so) and wait until the scheduler was told (unless it
+        never sent a step: it serves nothing here) and this worker holds no live lease and no
+        unsettled transfer; False when `timeout_s` passed first."""
         self.draining, self._told = True, False
         log.info("%s worker: draining (up to %g s): %d leases live, %d transfers unsettled", self.worker.role,
                  timeout_s, len(self.worker.page_tables), len(self._active))
         with anyio.move_on_after(timeout_s):
-            while self.owner is not None and (not self._told or len(self.worker.page_tables) or self._active):
+            while self.owner is not None and ((self._stepped and not self._told) or len(self.worker.page_tables)
+                                              or self._active):
                 await anyio.sleep(0.05)
             return True
         log.warning("%s worker: still %d leases live after %g s of draining; stopping anyway",

@@ -9,6 +9,7 @@ decode workers (one per GPU, as it were), both paired with the prefill worker. T
 
 - a front end without the deployment secret gets nothing from the workers;
 - `kvfence status` lists every worker with its pool and health;
+- a decode worker whose pool disagrees on the bytes (bfloat16) is refused at pairing, as a whole;
 - `kill -9` of a decode worker mid-stream: its streams end with a 503 worker_lost error (none
   reports success), every other stream answers the reference, the front end stays ready, the
   survivors' pages return to baseline, the surviving decode worker serves every request after,
@@ -60,10 +61,10 @@ class Deployment:
         self.fronts = 0
         self.front = self.start_front()
 
-    def add_worker(self, role: str) -> WorkerProcess:
+    def add_worker(self, role: str, *extra: str) -> WorkerProcess:
         registering = ("--discovery", f"etcd://{self.hosts.here(role)}:{self.etcd.port}") if self.etcd else ()
         w = WorkerProcess(self.model, role, "--transport", self.transport, "--transport-secret-file", str(self.secret),
-                          "--transport-host", self.hosts.kv[role], *POOLS, *registering,
+                          "--transport-host", self.hosts.kv[role], *POOLS, *registering, *extra,
                           log_path=self.directory / f"{role}{len(self.workers)}.log", host=self.hosts.host(role),
                           prefix=self.hosts.prefix(role))
         self.workers.append(w)
@@ -266,6 +267,20 @@ def test_status_lists_every_worker_with_its_pool_and_health(deployment: Deployme
         assert row["health"] == "serving" and row["device"] == "cpu" and len(row["incarnation"]) == 32, row
         assert row["pages"]["total"] == total and row["pages"]["in_use"] == 0 and row["pages"]["quarantined"] == 0
         assert row["pages"]["free"] + row["pages"]["cached"] == total
+
+
+def test_a_worker_with_an_incompatible_pool_is_refused_at_pairing(deployment: Deployment, reference: dict) -> None:
+    """A bfloat16 decode worker joins: its pair with the float32 prefill worker is refused as a
+    whole (the pools disagree on the bytes), it stays unpaired, and the others serve on."""
+    over_etcd(deployment)
+    odd = deployment.add_worker("decode", "--dtype", "bfloat16")
+    odd.wait_ready()
+    until(lambda: re.search(rf"decode worker at {re.escape(odd.control)} is refused as a whole: .*dtype",
+                            deployment.front.log()) is not None, 60, "the bfloat16 pool refused at pairing")
+    assert status(deployment)[f"decode@{odd.control}"]["health"] == "unpaired"
+    all_served(deployment.front, reference, 2)
+    assert odd.stop() == 0  # leaves before the faults below, which count on the float32 workers
+    deployment.workers.remove(odd)
 
 
 def test_kill_9_of_a_decode_worker_mid_stream(deployment: Deployment, reference: dict) -> None:
