@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -46,15 +46,19 @@ from kvfence.app.engine_client import EngineClient
 from kvfence.app.http_errors import (context_too_long, decode_body, error_envelope, error_response, for_client,
                                      from_sampling_error, http_exception_handler, internal_error,
                                      model_not_found, server_error_handler)
-from kvfence.app.prompt_tokens import PromptEncoder
+from kvfence.app.prompt_tokens import PromptEncoder, chat_text
 from kvfence.app.request_body import BodyTooLarge, RefusedBody, read_body
 from kvfence.app.stall import SendWatch
-from kvfence.engine.chat_template import ChatTemplateError, render_chat
+from kvfence.app.logprobs_shape import TokenPieces
+from kvfence.app.response_shape import ResponseShape
+from kvfence.app.token_routes import TokenRoutes
+from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.errors import RequestError
 from kvfence.scheduler.handle import RequestHandle
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no"))
@@ -84,37 +88,6 @@ class _Prepared:
     cache_salt: str = ""  # partitions the tenant's prefix cache; never chooses a tenant
 
 
-class _Shape:
-    """Builds the response bodies and stream chunks of one chat or text completion."""
-
-    def __init__(self, prep: _Prepared, request_id: str) -> None:
-        self.chat = prep.chat
-        self.id = ("chatcmpl-" if prep.chat else "cmpl-") + request_id
-        self.created = int(time.time())
-        self.model = prep.model
-        self.usage_field: Any = None if prep.include_usage else msgspec.UNSET
-
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> msgspec.Struct:
-        if self.chat:
-            delta = s.ChatDelta(role="assistant" if role else msgspec.UNSET,
-                                content=msgspec.UNSET if text is None else text)
-            return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
-                                         choices=[s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)])
-        return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
-                                choices=[s.CompletionChoice(index=0, text=text or "", finish_reason=finish_reason)])
-
-    def usage_chunk(self, usage: s.Usage) -> msgspec.Struct:
-        kind = s.ChatCompletionChunk if self.chat else s.TextCompletion
-        return kind(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
-
-    def whole(self, text: str, finish_reason: str, usage: s.Usage) -> msgspec.Struct:
-        if self.chat:
-            choice = s.ChatChoice(index=0, message=s.AssistantMessage(content=text), finish_reason=finish_reason)
-            return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
-        return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
-                                choices=[s.CompletionChoice(index=0, text=text, finish_reason=finish_reason)])
-
-
 class _GenerationResponse(Response):
     """ASGI response for one admitted request (stream or not). A task watches `receive` for
     http.disconnect and cancels the response, another (`SendWatch`) cancels it once a send has
@@ -122,10 +95,12 @@ class _GenerationResponse(Response):
     delta was seen (abort is idempotent)."""
 
     def __init__(self, handle: RequestHandle, prep: _Prepared, encoder: msgspec.json.Encoder,
-                 stall_timeout_s: float) -> None:
+                 stall_timeout_s: float, pieces: TokenPieces) -> None:
         self.handle, self.prep, self.encoder = handle, prep, encoder
         self.stall_timeout_s = stall_timeout_s
-        self.shape = _Shape(prep, handle.request_id)
+        self.shape = ResponseShape(chat=prep.chat, model=prep.model, request_id=handle.request_id,
+                                   include_usage=prep.include_usage, logprobs=prep.sampling.logprobs is not None,
+                                   pieces=pieces)
         self.status_code, self.background, self.raw_headers = 200, None, list(_SSE_HEADERS if prep.stream else ())
         self.finished = False
 
@@ -165,7 +140,8 @@ class _GenerationResponse(Response):
 
     async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
         texts: list[str] = []
-        completion_tokens = 0
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
         response: Response = error_response(internal_error("the request ended without a result"), self.encoder)
         async with contextlib.aclosing(self.handle.deltas()) as deltas:
             async for delta in deltas:
@@ -173,10 +149,12 @@ class _GenerationResponse(Response):
                     response = error_response(self._failed(delta.error), self.encoder)
                     break
                 texts.append(delta.text)
-                completion_tokens += len(delta.token_ids)
+                token_ids += delta.token_ids
+                logprobs += delta.logprobs
                 if delta.finish_reason is not None:
                     self.finished = True
-                    body = self.shape.whole("".join(texts), delta.finish_reason, self._usage(completion_tokens, delta.cached_tokens))
+                    body = self.shape.whole("".join(texts), delta.finish_reason,
+                                            self._usage(len(token_ids), delta.cached_tokens), token_ids, logprobs)
                     response = Response(self.encoder.encode(body), media_type="application/json")
                     break
         await response(scope, receive, send)
@@ -197,8 +175,10 @@ class _GenerationResponse(Response):
                     failure = self._failed(delta.error)
                     break
                 completion_tokens += len(delta.token_ids)
-                if delta.text or (delta.finish_reason is not None and not self.shape.chat):
-                    await event(self.shape.chunk(delta.text, None if self.shape.chat else delta.finish_reason))
+                carries_logprobs = self.shape.logprobs and delta.token_ids
+                if delta.text or carries_logprobs or (delta.finish_reason is not None and not self.shape.chat):
+                    await event(self.shape.chunk(delta.text, None if self.shape.chat else delta.finish_reason,
+                                                 token_ids=delta.token_ids, logprobs=delta.logprobs))
                 if delta.finish_reason is not None:
                     self.finished = True
                     if self.shape.chat:
@@ -230,6 +210,7 @@ class _Api:
         self.metrics_text = metrics_text
         self.max_body_bytes, self.stall_timeout_s = max_body_bytes, stall_timeout_s
         self.prompts = PromptEncoder(engine.tokenizer)
+        self.pieces = TokenPieces(engine.tokenizer)
         self.long_inputs = anyio.CapacityLimiter(LONG_INPUT_THREADS)
         self.encoder = msgspec.json.Encoder()
         self.chat_decoder = msgspec.json.Decoder(s.ChatCompletionRequest)
@@ -251,21 +232,30 @@ class _Api:
         if tenant is None:
             return self._unauthorized("a valid API key")
         try:
-            body = await read_body(request, self.max_body_bytes)
-            if len(body) <= INLINE_BODY_BYTES:
-                prep = self._prepare(body, chat)
-            else:  # decoding, rendering and tokenizing a long input would stall every other stream
-                prep = await anyio.to_thread.run_sync(self._prepare, body, chat, limiter=self.long_inputs)
+            prep = await self._from_body(request, lambda body: self._prepare(body, chat))
             handle = self.engine.submit(prep.prompt_ids, prep.sampling, tenant, prep.cache_salt)
             log.info("request %s admitted: tenant %s, %d prompt tokens, client request id %r, user %r",
                      handle.request_id, tenant.name, len(prep.prompt_ids), client_request_id(request), prep.user)
-        except RefusedBody as refused:
+        except (RefusedBody, ClientDisconnect, RequestError) as refused:
+            return self._refusal(refused)
+        return _GenerationResponse(handle, prep, self.encoder, self.stall_timeout_s, self.pieces)
+
+    async def _from_body(self, request: Request, work: Callable[[bytes], _T]) -> _T:
+        """`work(body)`: on the event loop up to INLINE_BODY_BYTES, else in a worker thread (at most
+        LONG_INPUT_THREADS at once): decoding, rendering and tokenizing a long input would stall
+        every other stream. Raises RefusedBody past `max_body_bytes`, ClientDisconnect, or what
+        `work` raises."""
+        body = await read_body(request, self.max_body_bytes)
+        if len(body) <= INLINE_BODY_BYTES:
+            return work(body)
+        return await anyio.to_thread.run_sync(work, body, limiter=self.long_inputs)
+
+    def _refusal(self, refused: RefusedBody | ClientDisconnect | RequestError) -> Response:
+        if isinstance(refused, RefusedBody):
             return BodyTooLarge(refused)
-        except ClientDisconnect:
+        if isinstance(refused, ClientDisconnect):
             return Response(status_code=499)  # nobody is left to read it
-        except RequestError as err:
-            return error_response(err, self.encoder)
-        return _GenerationResponse(handle, prep, self.encoder, self.stall_timeout_s)
+        return error_response(refused, self.encoder)
 
     def _prepare(self, body: bytes, chat: bool) -> _Prepared:
         """Everything between the body and `submit` (synchronous: runs on the loop or in a thread)."""
@@ -280,12 +270,7 @@ class _Api:
 
     def _prepare_chat(self, req: s.ChatCompletionRequest) -> _Prepared:
         self._check(req)
-        messages = s.chat_messages(req)
-        tok = self.engine.tokenizer
-        try:
-            text = render_chat(tok.chat_template, messages, bos_token=tok.special_token_text(tok.bos_token_id))
-        except ChatTemplateError as e:
-            raise s.invalid("messages", str(e), "invalid_messages") from e
+        text = chat_text(self.engine.tokenizer, s.chat_messages(req))
         ids = self.prompts.encode(text, add_bos=False, where="messages",
                                   max_context_tokens=self.engine.max_context_tokens)
         return self._finish(req, ids, chat=True, where="messages")
@@ -322,7 +307,13 @@ class _Api:
                 max_tokens=limit - len(ids) if max_tokens is None else max_tokens,
                 stop=s.stop_strings(req),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
-                ignore_eos=bool(req.ignore_eos))
+                ignore_eos=bool(req.ignore_eos),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                min_p=req.min_p or 0.0,
+                logit_bias=s.logit_bias(req, vocab_size),
+                logprobs=s.logprobs_requested(req))
         except ValueError as e:
             raise from_sampling_error(e, max_param) from e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -340,9 +331,7 @@ class _Api:
     async def models(self, request: Request) -> Response:
         if self.keys.tenant(request.headers.get("authorization")) is None:
             return self._unauthorized("a valid API key")
-        card = s.ModelCard(id=self.engine.model_name, created=self.created,
-                           max_model_len=self.engine.max_context_tokens)
-        return self.json(s.ModelList(data=[card]))
+        return self.json(s.ModelList(data=[self.model_card()]))
 
     async def health(self, request: Request) -> Response:
         return self.json({"status": "ok"})
@@ -367,6 +356,34 @@ class _Api:
             return self._unauthorized("the admin key")
         return self.json({"flushed": True, "pages_freed": self.engine.flush_cache()})  # the core logs it
 
+    def model_card(self) -> s.ModelCard:
+        return s.ModelCard(id=self.engine.model_name, created=self.created,
+                           max_model_len=self.engine.max_context_tokens)
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: the served model's card, as /v1/models lists it; any other id is
+        404 `model_not_found`."""
+        if self.keys.tenant(request.headers.get("authorization")) is None:
+            return self._unauthorized("a valid API key")
+        requested = request.path_params["model"]
+        if requested != self.engine.model_name:
+            return error_response(model_not_found(requested, self.engine.model_name), self.encoder)
+        return self.json(self.model_card())
+
+    async def answer_body(self, request: Request, answer: Callable[[bytes], msgspec.Struct]) -> Response:
+        """A route answered from its body alone (app/token_routes.py): 401 without a valid API key
+        before the body is read, then `answer(body)` as `_generate` prepares (`_from_body`); its
+        struct as JSON, or the refusal it raised."""
+        if self.keys.tenant(request.headers.get("authorization")) is None:
+            return self._unauthorized("a valid API key")
+        try:
+            return self.json(await self._from_body(request, answer))
+        except (RefusedBody, ClientDisconnect, RequestError) as refused:
+            return self._refusal(refused)
+
+    def check_token_ids(self, param: str, ids: list[int]) -> None:
+        _check_token_ids(param, ids, self.engine.tokenizer.vocab_size)
+
 
 def _check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -378,15 +395,20 @@ def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
               api_keys: ApiKeys | None = None) -> Starlette:
     """The OpenAI-compatible app: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    GET /v1/models/{model}, POST /tokenize and POST /detokenize (vLLM's; app/token_routes.py),
     GET /health, GET /ready (503 + Retry-After while not ready), GET /metrics (`metrics_text()`
     -> (body, content type); 404 when None). `max_body_bytes`: longest request body (413 past it);
     `stall_timeout_s`: how long a response may be unable to send before its request is aborted;
     `api_keys`: who may call it (None: no keys, every request the anonymous tenant)."""
     api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s, api_keys or ApiKeys())
+    tokens = TokenRoutes(api)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/tokenize", tokens.tokenize, methods=["POST"]),
+        Route("/detokenize", tokens.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/ready", api.ready, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),

@@ -24,7 +24,8 @@ _MISSING_RE = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
 
 # The SamplingParams fields a ValueError message can start with (all have the API's names).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop",
-                   "ignore_eos")
+                   "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                   "logit_bias", "logprobs")
 
 
 def error_envelope(err: RequestError) -> ErrorEnvelope:

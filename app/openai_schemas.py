@@ -3,7 +3,7 @@
 Requests: the transfer / routing fields in `FORBIDDEN_FIELDS` are refused whatever their value:
 nothing in a body may choose a peer, a KV page or a transport, so a body that carries any of them
 (at the top level or inside `extra_body`) is refused. The OpenAI and vLLM fields kvfence does not
-implement (`UNSUPPORTED_FIELDS`: tools, response_format, logprobs, penalties, ...) are refused
+implement (`UNSUPPORTED_FIELDS`: tools, response_format, n > 1, echo, ...) are refused
 unless they hold a value that changes nothing (null, or their documented default, e.g. `n: 1`),
 never silently ignored. Other unknown fields are ignored: clients send extras that do not change
 the output (`metadata`, `service_tier`, ...). `check_common` raises `RequestError` (400, `param`
@@ -30,14 +30,13 @@ MAX_CACHE_SALT_CHARS = 256
 # has the same type (so completions' `logprobs: 0`, which asks for logprobs, is not `false`).
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     # OpenAI
-    "n": (1,), "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),  # no tools can be given, so either value changes nothing
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
     # vLLM's extra parameters
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "length_penalty": (1, 1.0),
+    "min_tokens": (0,), "length_penalty": (1, 1.0),
     "use_beam_search": (False,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
@@ -52,6 +51,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_TEMPERATURE = 2.0
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; completions' too here (vLLM's default)
+MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, as vLLM takes it
 # Chat roles the server renders; "developer" (OpenAI's newer name for system) is rendered as system.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -106,9 +107,11 @@ class _RequestBase(Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = None  # chat only (with logprobs: true)
+    repetition_penalty: float | None = None  # vLLM's extra parameters
+    min_p: float | None = None
     extra_body: dict[str, Any] | None = None
     # UNSUPPORTED_FIELDS not typed above (any value other than their no-op ones is refused)
-    top_logprobs: Any = UNSET
     echo: Any = UNSET
     best_of: Any = UNSET
     suffix: Any = UNSET
@@ -123,8 +126,6 @@ class _RequestBase(Struct, kw_only=True):
     prediction: Any = UNSET
     reasoning_effort: Any = UNSET
     web_search_options: Any = UNSET
-    repetition_penalty: Any = UNSET
-    min_p: Any = UNSET
     min_tokens: Any = UNSET
     length_penalty: Any = UNSET
     use_beam_search: Any = UNSET
@@ -177,12 +178,7 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     temperature outside [0, 2], a seed outside int64, max_tokens < 1. Raises RequestError(400)
     naming the field. (top_p and top_k are bounded by `SamplingParams`; token ids against the
     vocabulary by the API, which knows it.)"""
-    for field in FORBIDDEN_FIELDS:
-        top_level = getattr(req, field) is not UNSET
-        if top_level or (req.extra_body is not None and field in req.extra_body):
-            raise invalid(field if top_level else f"extra_body.{field}",
-                          f"'{field}' is not accepted in a request body: the server alone chooses tenants (from "
-                          "the API key), cache keys, peers, KV pages and transports. Remove the field.", "forbidden_parameter")
+    check_forbidden(req)
     for field, no_ops in UNSUPPORTED_FIELDS.items():
         value = getattr(req, field)
         if value is not UNSET and value is not None and not any(_same(value, v) for v in no_ops):
@@ -197,6 +193,17 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
             and req.max_completion_tokens < 1:
         raise invalid("max_completion_tokens", f"max_completion_tokens must be at least 1, "
                                                f"got {req.max_completion_tokens}")
+
+
+def check_forbidden(req: Any) -> None:
+    """Refuse a body carrying any of FORBIDDEN_FIELDS (an attribute of `req` other than UNSET,
+    or a key of its `extra_body`), whatever its value: RequestError(400, "forbidden_parameter")."""
+    for field in FORBIDDEN_FIELDS:
+        top_level = getattr(req, field) is not UNSET
+        if top_level or (req.extra_body is not None and field in req.extra_body):
+            raise invalid(field if top_level else f"extra_body.{field}",
+                          f"'{field}' is not accepted in a request body: the server alone chooses tenants (from "
+                          "the API key), cache keys, peers, KV pages and transports. Remove the field.", "forbidden_parameter")
 
 
 def _same(value: object, no_op: object) -> bool:
@@ -225,6 +232,44 @@ def _check_bounds(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise invalid("seed", f"seed must be a 64-bit signed integer, got {req.seed}")
     if req.max_tokens is not None and req.max_tokens < 1:
         raise invalid("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
+    if req.logit_bias is not None and len(req.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(req.logit_bias)}")
+    logprobs_requested(req)  # raises for a bad combination
+
+
+def logprobs_requested(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many alternatives per token the body asks logprobs for, or None for no logprobs: chat's
+    `top_logprobs` (0..20) once `logprobs` is true, completions' integer `logprobs` (0..20).
+    Raises RequestError(400) naming the field for values out of range or without their switch."""
+    if isinstance(req, ChatCompletionRequest):
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise invalid("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+        if not req.logprobs:
+            if top:
+                raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+            return None
+        return top or 0
+    value = req.logprobs
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise invalid("logprobs", f"logprobs (completions) is the number of alternatives per token, an integer "
+                                  f"between 0 and {MAX_TOP_LOGPROBS}; got {value!r}")
+    return value
+
+
+def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The body's logit_bias as (token id, bias) pairs; RequestError(400, "logit_bias") for a key
+    that is not a token id of this model or a bias outside [-100, 100]."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isdecimal() or not 0 <= int(key) < vocab_size:
+            raise invalid("logit_bias", f"logit_bias keys are token ids in [0, {vocab_size}) as strings, got {key!r}")
+        if not -100 <= bias <= 100:
+            raise invalid("logit_bias", f"logit_bias values are in [-100, 100], got {bias} for token {key}")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:
@@ -304,11 +349,38 @@ class AssistantMessage(Struct, kw_only=True):
     role: str = "assistant"
 
 
+class TopLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(Struct, kw_only=True):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct, kw_only=True):
@@ -329,7 +401,7 @@ class ChatChunkChoice(Struct, kw_only=True):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct, kw_only=True):
@@ -345,7 +417,7 @@ class CompletionChoice(Struct, kw_only=True):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class TextCompletion(Struct, kw_only=True):

@@ -13,8 +13,14 @@ import torch.nn.functional as F
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and weight.dtype in (torch.float32, torch.bfloat16))
+    """oneDNN on a CPU that has it; for bfloat16 only where the CPU can run its bf16 kernels
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): elsewhere (an AVX2-only CPU) packing a bf16 weight
+    fails, and plain `F.linear` serves bf16 instead."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 class Linear:

@@ -13,23 +13,34 @@ from typing import Protocol
 
 import msgspec
 
+from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
 
 
 class SamplingSpec(msgspec.Struct, frozen=True):
-    """The part of SamplingParams a worker needs to pick a token."""
+    """The part of SamplingParams a worker needs to pick a token (and report its logprobs)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[tuple[int, float]] = []
+    logprobs: int | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> SamplingSpec:
-        return cls(p.temperature, p.top_p, p.top_k, p.seed)
+        return cls(p.temperature, p.top_p, p.top_k, p.seed, p.presence_penalty, p.frequency_penalty,
+                   p.repetition_penalty, p.min_p, list(p.logit_bias), p.logprobs)
 
     def params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                              logit_bias=tuple((t, b) for t, b in self.logit_bias), logprobs=self.logprobs)
 
 
 class SeqStep(msgspec.Struct, frozen=True):
@@ -46,6 +57,11 @@ class SeqStep(msgspec.Struct, frozen=True):
     # The seal tag of the sequence's tenant: it may also read (never write) pages sealed with it,
     # shared read-only from the prefix cache. 0: it reads only its own pages.
     seal: int = 0
+    # For penalized sampling (engine/token_counts.py): on the lease's first sampling step, every
+    # token of the sequence before `token_ids` (None afterwards: the worker counts what steps feed),
+    # and how many of the sequence's tokens are its prompt.
+    history: list[int] | None = None
+    prompt_tokens: int = 0
 
 
 class PageGrant(msgspec.Struct, frozen=True):
@@ -111,6 +127,8 @@ class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     violations: list[OwnerMismatch] = []
     incarnation: str = ""  # the worker's current incarnation
     draining: bool = False  # the worker is shutting down: route nothing new to it
+    # per seq, in order, when any seq asked for logprobs (else empty): its sampled token's
+    logprobs: list[TokenLogprobs | None] = []
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):

@@ -15,8 +15,10 @@ from kvfence.engine.attention import build_attention_batch
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer, SlotViolation
 from kvfence.engine.llama import LlamaModel
+from kvfence.engine.logprobs import TokenLogprobs, token_logprobs
 from kvfence.engine.owner_check import OwnerViolation, check_owner_tags
 from kvfence.engine.sampling import Sampler, SamplingParams
+from kvfence.engine.token_counts import TokenCounts
 
 
 @dataclasses.dataclass
@@ -30,6 +32,7 @@ class SeqWork:
     sampling: SamplingParams | None  # None: an intermediate prefill chunk, nothing sampled
     output_index: int = 0  # index of the token to sample within the output (seeds the noise)
     seal: int = 0  # its tenant's seal: it may also read (never write) pages sealed with it
+    counts: TokenCounts | None = None  # what it has seen, where its sampling is penalized (token_counts.py)
 
     @property
     def is_decode(self) -> bool:
@@ -41,6 +44,8 @@ class StepResult:
     tokens: list[int | None]  # sampled token per SeqWork, in the caller's order (None if not run)
     logits: torch.Tensor | None  # [num sampled, vocab] float32 when asked for, in the same order
     violations: list[OwnerViolation | SlotViolation] = dataclasses.field(default_factory=list)  # works taken out
+    # per work, in the caller's order, when any work asked for logprobs (else empty)
+    logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -80,9 +85,12 @@ class ModelRunner:
             kept = [i for i in range(len(works)) if i not in excluded]
             inner = self.step([works[i] for i in kept], return_logits) if kept else StepResult([], None)
             tokens: list[int | None] = [None] * len(works)
-            for i, tok in zip(kept, inner.tokens):
-                tokens[i] = tok
-            return StepResult(tokens, inner.logits, violations)
+            logprobs: list[TokenLogprobs | None] = [None] * len(works) if inner.logprobs else []
+            for j, i in enumerate(kept):
+                tokens[i] = inner.tokens[j]
+                if inner.logprobs:
+                    logprobs[i] = inner.logprobs[j]
+            return StepResult(tokens, inner.logits, violations, logprobs)
         order = [i for i, w in enumerate(works) if w.is_decode] + \
                 [i for i, w in enumerate(works) if not w.is_decode]
         num_decode = sum(1 for w in works if w.is_decode)
@@ -112,11 +120,17 @@ class ModelRunner:
                 self.sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))
         if not scored:
             return StepResult(tokens, None)
-        params = [works[i].sampling for i in scored]
-        sampled = self.sampler.sample(logits, params, [works[i].output_index for i in scored])  # type: ignore[arg-type]
+        params: list[SamplingParams] = [works[i].sampling for i in scored]  # type: ignore[misc]
+        sampled = self.sampler.sample(logits, params, [works[i].output_index for i in scored],
+                                      [works[i].counts for i in scored])
         for i, tok in zip(scored, sampled.tolist()):
             tokens[i] = tok
+        logprobs: list[TokenLogprobs | None] = []
+        if any(p.logprobs is not None for p in params):
+            logprobs = [None] * len(works)
+            for i, lp in zip(scored, token_logprobs(logits, sampled, [p.logprobs for p in params])):
+                logprobs[i] = lp
         if not return_logits:
-            return StepResult(tokens, None)
+            return StepResult(tokens, None, logprobs=logprobs)
         caller_order = sorted(range(len(scored)), key=lambda row: scored[row])
-        return StepResult(tokens, logits[caller_order])
+        return StepResult(tokens, logits[caller_order], logprobs=logprobs)

@@ -1,8 +1,11 @@
 """Per-request sampling parameters and the batched sampler that picks one token per logits row.
 
-Contract of `Sampler.sample`: every row is processed by the same batched tensor ops. Greedy rows
-(temperature 0) take the argmax. The other rows are divided by their temperature, cut to their
-top-k, then to their top-p nucleus, and sampled with the exponential race:
+Contract of `Sampler.sample`: every row is processed by the same batched tensor ops, in vLLM's
+order: the logits first get the row's `logit_bias`, then its repetition, frequency and presence
+penalties (engine/logits_processing.py, over the counts a worker keeps per lease:
+engine/token_counts.py). Greedy rows (temperature 0) take the argmax of those logits. The other
+rows are divided by their temperature, cut to their min-p, top-k, then top-p nucleus, and sampled
+with the exponential race:
 `token = argmax(probs / q)` with `q ~ Exp(1)` drawn independently per vocabulary entry, which picks
 token i with probability probs[i].
 
@@ -17,14 +20,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from kvfence.engine.logits_processing import apply_logit_bias, apply_min_p, apply_penalties
+
+if TYPE_CHECKING:
+    from kvfence.engine.token_counts import TokenCounts
 
 # Temperatures below this are greedy: the distribution is a point mass for any practical logits,
 # and dividing by a vanishing temperature would overflow float32.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 _MASK64 = (1 << 64) - 1
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_REPETITION_PENALTY = 2.0
 
 
 def _is_int(value: object) -> bool:
@@ -47,6 +58,15 @@ class SamplingParams:
     stop: non-empty strings that end generation; the matched string is not part of the output.
     stop_token_ids: token ids (>= 0) that end generation, in addition to the model's EOS ids.
     ignore_eos: keep generating past the model's EOS ids.
+    presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token the
+      output holds, once (presence) or once per occurrence (frequency), as OpenAI defines them.
+    repetition_penalty: > 0; the logit of every token in the prompt or the output is divided by it
+      when positive, multiplied when negative (1 = off), as vLLM and transformers define it.
+    min_p: in [0, 1]; tokens less likely than min_p times the most likely one are dropped (0 = off).
+    logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before anything else.
+    logprobs: None (off) or 0..MAX_LOGPROBS: return the sampled token's log-probability and that
+      many of the most likely alternatives, from the model's own distribution (before bias,
+      penalties and temperature: what vLLM returns by default).
     Lists given for `stop` / `stop_token_ids` are stored as tuples, so the params stay hashable.
     """
 
@@ -58,6 +78,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -81,14 +107,40 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must hold ints >= 0, got {stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._check_processing()
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
 
+    def _check_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                             f"got {self.repetition_penalty!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        bias = tuple((t, b) for t, b in self.logit_bias)
+        if any(not _is_int(t) or t < 0 or not _is_real(b) or not -100 <= b <= 100 for t, b in bias):
+            raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {bias!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        object.__setattr__(self, "min_p", float(self.min_p))
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether picking a token needs the counts of the tokens before it (engine/token_counts.py)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _splitmix64(x: int) -> int:
@@ -186,10 +238,11 @@ class Sampler:
             noise[row] = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               output_index: list[int]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+               counts: list[TokenCounts | None] | None = None) -> torch.Tensor:
         """logits: [N, V] (float32; other float dtypes are upcast). params[i] and output_index[i]
-        (>= 0, the position of the token being sampled within request i's output) belong to row i.
+        (>= 0, the position of the token being sampled within request i's output) belong to row i;
+        counts[i] is what row i's sequence has seen (needed where params[i].penalized).
         Returns [N] int64 token ids on the logits' device."""
         if logits.dim() != 2 or logits.shape[1] == 0:
             raise ValueError(f"logits must be [num_rows, vocab] with vocab >= 1, got shape {tuple(logits.shape)}")
@@ -199,6 +252,9 @@ class Sampler:
                              f"{len(params)} params, {len(output_index)} output indices")
         if any(not _is_int(i) or i < 0 for i in output_index):
             raise ValueError(f"output_index must hold ints >= 0, got {output_index!r}")
+        if any(p.logit_bias or p.penalized for p in params):
+            logits = apply_logit_bias(logits.float(), params)
+            logits = apply_penalties(logits, params, counts or [None] * num_rows)
         tokens = logits.argmax(dim=-1)  # [N] int64
         sampled = [row for row, p in enumerate(params) if not p.greedy]
         if not sampled:
@@ -209,6 +265,7 @@ class Sampler:
         temperatures = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32,
                                     device=device)  # [M]
         scaled = logits.index_select(0, rows).float() / temperatures[:, None]  # [M, V]
+        scaled = apply_min_p(scaled, [p.min_p for p in sub_params])
         scaled = _apply_top_k(scaled, [p.top_k for p in sub_params])
         scaled = _apply_top_p(scaled, [p.top_p for p in sub_params])
         probs = torch.softmax(scaled, dim=-1)  # [M, V]

@@ -54,6 +54,10 @@ class Tokenizer:
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
         self.vocab_size = inner.get_vocab_size(with_added_tokens=True)
+        # byte-level BPE: the character each byte is spelled with, inverted (token_bytes)
+        self._byte_of = ({c: b for b, c in enumerate(_byte_level_alphabet())}
+                         if isinstance(inner.decoder, decoders.ByteLevel) else None)
+        self._special_ids = frozenset(inner.get_added_tokens_decoder())
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognised as such.
@@ -73,10 +77,32 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         return self.inner.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8
+        character, which no decoded string can show); a special token's own text."""
+        piece = self.inner.id_to_token(token_id) or ""
+        if self._byte_of is None or token_id in self._special_ids:
+            return self.inner.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace")
+        return bytes(self._byte_of[c] for c in piece if c in self._byte_of)
+
     def special_token_text(self, token_id: int | None) -> str:
         if token_id is None:
             return ""
         return self.inner.id_to_token(token_id) or ""
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet, in byte order: printable bytes stand for themselves, the
+    others for chr(256 + n) in order (the mapping byte-level BPE spells every byte with)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
 
 
 def _end_of_generation_ids(inner: RustTokenizer, explicit: Iterable[int | None]) -> set[int]:

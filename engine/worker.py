@@ -18,9 +18,10 @@ from kvfence.engine.kv_sanitizer import SlotViolation
 from kvfence.engine.owner_check import OwnerViolation
 from kvfence.engine.page_tables import LeasePageTables
 from kvfence.engine.runner import ModelRunner, SeqWork
+from kvfence.engine.token_counts import LeaseTokenCounts
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.engine.protocol import (
-    OwnerMismatch, RunStep, StepDone, StepFailed, WorkerReply, WorkerRequest, decode_reply, decode_request, encode,
+    OwnerMismatch, RunStep, SeqStep, StepDone, StepFailed, WorkerReply, WorkerRequest, decode_reply, decode_request, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class Worker:
         self.device = runner.pool.device
         self.sanitizer = runner.sanitizer
         self.page_tables = LeasePageTables()
+        self.token_counts = LeaseTokenCounts(runner.model.config.vocab_size, self.device)
         self.incarnation = id_hex(mint_id())
 
     def restart(self) -> None:
@@ -47,6 +49,7 @@ class Worker:
         every = list(range(self.pool.num_pages))
         self.pool.clear(every, "poison")
         self.page_tables.clear()
+        self.token_counts.clear()
         if self.sanitizer is not None:
             self.sanitizer.forget(every)
         old, self.incarnation = self.incarnation, id_hex(mint_id())
@@ -81,6 +84,7 @@ class Worker:
         if cmd.released:
             self.pool.clear(cmd.released, self.scrub)
         self.page_tables.forget(cmd.ended)
+        self.token_counts.forget(cmd.ended)
         for grant in cmd.grants:
             self.pool.assign(grant.pages, grant.lease)
             self.page_tables.name(grant.lease, grant.tenant)
@@ -111,13 +115,19 @@ class Worker:
             return StepFailed(cmd.step_id, f"{type(e).__name__}: {e}", self.incarnation), None
         if not cmd.seqs:
             return StepDone(cmd.step_id, [], incarnation=self.incarnation), None
-        works = [SeqWork(s.token_ids, s.context_tokens, self.page_tables.extend(s.lease, s.new_pages), s.lease,
-                         s.sampling.params() if s.sampling is not None else None, s.output_index, s.seal)
-                 for s in cmd.seqs]
+        works = [self._work(s) for s in cmd.seqs]
         with torch.inference_mode():
             result = self.runner.step(works, return_logits)
         return StepDone(cmd.step_id, result.tokens, [self._mismatch(v) for v in result.violations],
-                        self.incarnation), result.logits
+                        self.incarnation, logprobs=result.logprobs), result.logits
+
+    def _work(self, s: SeqStep) -> SeqWork:
+        params = s.sampling.params() if s.sampling is not None else None
+        counts = None
+        if params is not None and params.penalized:
+            counts = self.token_counts.observe(s.lease, s.context_tokens, s.token_ids, s.history, s.prompt_tokens)
+        return SeqWork(s.token_ids, s.context_tokens, self.page_tables.extend(s.lease, s.new_pages), s.lease,
+                       params, s.output_index, s.seal, counts)
 
     def _mismatch(self, v: OwnerViolation | SlotViolation) -> OwnerMismatch:
         if isinstance(v, OwnerViolation):

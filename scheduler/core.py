@@ -46,6 +46,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.scheduler.lease_table import LeaseTable
+from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.protocol import RunStep, SeqStep, StepDone, StepFailed, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
@@ -305,16 +306,18 @@ class SchedulerCore(Reservation, Preemption):
             req.stepping = False
         done = self._settle(w, step, reply, now)
         if done is not None:
-            for req, token in zip(step.decodes, done.tokens):
+            logprobs = done.logprobs or [None] * len(done.tokens)
+            for req, token, lp in zip(step.decodes, done.tokens, logprobs):
                 if req.state is State.DECODING and token is not None:
-                    self._accept_token(req, token, now)
-            for (req, seq), token in zip(step.chunks, done.tokens[len(step.decodes):]):
+                    self._accept_token(req, token, lp, now)
+            n = len(step.decodes)
+            for (req, seq), token, lp in zip(step.chunks, done.tokens[n:], logprobs[n:]):
                 if req.state.terminal or seq.lease != req.prefill_lease:  # ended, or a later attempt
                     continue
                 req.prefilled += len(seq.token_ids)
                 self.metrics.prefill(req, len(seq.token_ids))
                 if token is not None:
-                    self._prefilled(req, token, now)
+                    self._prefilled(req, token, lp, now)
         self._schedule(now)
 
     def transfer_finished(self, key: int, result: MoveResult, now: float, *, crashed: bool = False) -> None:
@@ -353,7 +356,7 @@ class SchedulerCore(Reservation, Preemption):
             first = req.shared_decode * self.config.page_size_tokens
             decode.table.land(req.decode_lease, req.decode_pages, first, req.prefill_target)
             self._seal(decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
-            self._start_decoding(req, req.pending_token, now)
+            self._start_decoding(req, req.pending_token, req.pending_logprobs, now)
         self._schedule(now)
 
     def transfer_quiet(self, key: int, now: float) -> None:
@@ -496,28 +499,28 @@ class SchedulerCore(Reservation, Preemption):
             self.metrics.finished(req, now)
             self._actions.append(Emit(req.request_id, delta))
 
-    def _prefilled(self, req: Request, token: int, now: float) -> None:
+    def _prefilled(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
         """Its whole prompt is in the prefill pool and `token` is its next token; the full pages it
         filled are sealed into the pool's cache."""
         assert req.pair is not None
         self._seal(req.pair.prefill, req, req.prefill_lease, req.prefill_pages, req.shared_prefill)
         if req.decode_lease == req.prefill_lease:  # one pool for both roles: the KV is where decode reads
-            self._start_decoding(req, token, now)
+            self._start_decoding(req, token, logprobs, now)
             return
         self._move(req, State.TRANSFERRING)  # the token is sent once the KV has landed
-        req.pending_token, req.prefill_done_s = token, now
+        req.pending_token, req.pending_logprobs, req.prefill_done_s = token, logprobs, now
 
-    def _start_decoding(self, req: Request, token: int | None, now: float) -> None:
+    def _start_decoding(self, req: Request, token: int | None, logprobs: TokenLogprobs | None, now: float) -> None:
         self._move(req, State.DECODING)
-        req.decoded_context, req.pending_token = req.prefill_target, None
+        req.decoded_context, req.pending_token, req.pending_logprobs = req.prefill_target, None, None
         if token is not None:
-            self._accept_token(req, token, now)
+            self._accept_token(req, token, logprobs, now)
 
-    def _accept_token(self, req: Request, token: int, now: float) -> None:
+    def _accept_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
         req.tokens.append(token)
         self.metrics.token(req, now)
         self._tenants[req.tenant].spend(1, now)
-        delta = req.output.accept(token)
+        delta = req.output.accept(token, logprobs)
         if delta.terminal:
             self._end(req, None, now, last=delta)
         else:

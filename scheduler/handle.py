@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 
+from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.scheduler.output import OutputDelta
 
 
@@ -30,6 +31,7 @@ class RequestHandle:
         self._on_abort = on_abort
         self._texts: list[str] = []  # pending output, in order
         self._ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
         self._terminal: OutputDelta | None = None
         self._reader_gone = False
         self._wakeup: anyio.Event | None = None  # set while the reader waits for output
@@ -44,6 +46,7 @@ class RequestHandle:
         else:
             self._texts.append(delta.text)
             self._ids += delta.token_ids
+            self._logprobs += delta.logprobs
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -59,9 +62,9 @@ class RequestHandle:
         try:
             while True:
                 if self._ids or self._texts:
-                    text, ids = "".join(self._texts), self._ids
-                    self._texts, self._ids = [], []
-                    yield OutputDelta(text, ids)
+                    text, ids, logprobs = "".join(self._texts), self._ids, self._logprobs
+                    self._texts, self._ids, self._logprobs = [], [], []
+                    yield OutputDelta(text, ids, logprobs=logprobs)
                 elif self._terminal is not None:
                     yield self._terminal
                     return
@@ -71,4 +74,4 @@ class RequestHandle:
                     self._wakeup = None
         finally:
             self._reader_gone = True
-            self._texts, self._ids = [], []
+            self._texts, self._ids, self._logprobs = [], [], []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
@@ -29,6 +30,8 @@ class OutputDelta:
     finish_reason: str | None = None
     error: RequestError | None = None
     cached_tokens: int = 0
+    # one per token of `token_ids` when the request asked for logprobs, else empty
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -48,18 +51,21 @@ class TextOutput:
         self.max_tokens = max_tokens
         self.num_generated = 0
 
-    def accept(self, token: int) -> OutputDelta:
-        """The delta `token` produces; terminal when it ends the request."""
+    def accept(self, token: int, logprobs: TokenLogprobs | None = None) -> OutputDelta:
+        """The delta `token` (with its `logprobs`, when asked for) produces; terminal when it ends the request."""
+        text, reason = self._accept(token)
+        return OutputDelta(text, [token], finish_reason=reason, logprobs=[] if logprobs is None else [logprobs])
+
+    def _accept(self, token: int) -> tuple[str, str | None]:
         self.num_generated += 1
         if token in self._stop_ids:
-            text = self._stops.push(self._detok.flush())[0] + self._stops.flush()
-            return OutputDelta(text, [token], finish_reason="stop")
+            return self._stops.push(self._detok.flush())[0] + self._stops.flush(), "stop"
         text, matched = self._stops.push(self._detok.push(token))
         if matched:
-            return OutputDelta(text, [token], finish_reason="stop")
+            return text, "stop"
         if self.num_generated < self.max_tokens:
-            return OutputDelta(text, [token])
+            return text, None
         text += self._stops.push(self._detok.flush())[0]
         if self._stops.matched:
-            return OutputDelta(text, [token], finish_reason="stop")
-        return OutputDelta(text + self._stops.flush(), [token], finish_reason="length")
+            return text, "stop"
+        return text + self._stops.flush(), "length"

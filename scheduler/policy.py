@@ -14,7 +14,20 @@ def decode_steps(requests: list[Request], table: LeaseTable) -> list[SeqStep]:
     """One step per decoding request: feed its last token, which lands at position len(tokens) - 1.
     `table`: the decode pool's, which knows what of each page table its worker already has."""
     return [SeqStep(r.decode_lease, [r.tokens[-1]], len(r.tokens) - 1, table.new_pages(r.decode_lease, r.decode_pages),
-                    SamplingSpec.of(r.params), r.num_generated, r.seal) for r in requests]
+                    SamplingSpec.of(r.params), r.num_generated, r.seal, *_counting(r, r.decode_lease, len(r.tokens) - 1))
+            for r in requests]
+
+
+def _counting(req: Request, lease: int, position: int) -> tuple[list[int] | None, int]:
+    """(history, prompt_tokens) of a sampling step of `req` on `lease` at `position`: a penalized
+    request's worker counts its tokens per lease (engine/token_counts.py), so the first sampling
+    step of each lease carries every token before it, and the request notes that it did."""
+    if not req.params.penalized:
+        return None, 0
+    if req.counted_lease == lease:
+        return None, len(req.prompt)
+    req.counted_lease = lease
+    return req.tokens[:position], len(req.prompt)
 
 
 def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTable) -> list[tuple[Request, SeqStep]]:
@@ -34,7 +47,8 @@ def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTabl
         last = req.prefilled + n == req.prefill_target
         out.append((req, SeqStep(req.prefill_lease, req.tokens[req.prefilled: req.prefilled + n],
                                  req.prefilled, table.new_pages(req.prefill_lease, req.prefill_pages),
-                                 SamplingSpec.of(req.params) if last else None, req.num_generated, req.seal)))
+                                 SamplingSpec.of(req.params) if last else None, req.num_generated, req.seal,
+                                 *(_counting(req, req.prefill_lease, req.prefilled) if last else (None, 0)))))
         budget_tokens -= n
     return out
 

@@ -24,6 +24,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
+from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.errors import RequestError
 from kvfence.scheduler.output import OutputDelta, TextOutput
@@ -84,6 +85,8 @@ class Request:
     prefilled: int = 0  # tokens of prefill_target whose K/V are in the prefill (or colocated) pool
     decoded_context: int = 0  # tokens whose K/V are in the decode pool
     pending_token: int | None = None  # sampled by prefill, emitted once the KV has landed
+    pending_logprobs: TokenLogprobs | None = None  # the pending token's, when the request asked
+    counted_lease: int = 0  # penalized: the lease whose worker counts its tokens (scheduler/policy.py)
     prefill_done_s: float = 0.0  # when the prefill sampled the first token (disaggregated)
     stepping: bool = False  # part of a step in flight to a worker
     transfer: int = 0  # the key of its KV transfer while one is started (0: none)

@@ -138,12 +138,15 @@ ENDPOINTS = [(CHAT, chat_body), (COMPLETIONS, completion_body)]
     ({"stop_token_ids": list(range(65))}, "stop_token_ids", "invalid_value"),
     ({"temperature": 2.5}, "temperature", "invalid_value"), ({"seed": 1 << 64}, "seed", "invalid_value"),
     ({"n": 2}, "n", "unsupported_value"),
-    ({"presence_penalty": 0.1}, "presence_penalty", "unsupported_value"),
-    ({"frequency_penalty": 2}, "frequency_penalty", "unsupported_value"),
+    ({"presence_penalty": 2.1}, "presence_penalty", "invalid_value"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({"min_p": 1.5}, "min_p", "invalid_value"),
+    ({"logit_bias": {"259": 1}}, "logit_bias", "invalid_value"),  # the vocabulary is 0..258
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_value"),
     ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
-    ({"logprobs": True}, "logprobs", "unsupported_value"),
+    ({"echo": True}, "echo", "unsupported_value"),
     ({"model": "gpt-4o"}, "model", "model_not_found"),
 ])
 def test_bad_fields_are_refused_before_submit(path: str, make, fields: dict, param: str, code: str) -> None:

@@ -78,12 +78,11 @@ def test_values_at_the_bounds_are_accepted() -> None:
 
 # A value that would change the output, for every field of UNSUPPORTED_FIELDS.
 ACTIVE_VALUES: dict[str, object] = {
-    "n": 2, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": 1.0},
-    "logprobs": True, "top_logprobs": 3, "echo": True, "suffix": "end", "response_format": {"type": "json_object"},
+    "n": 2, "best_of": 3, "echo": True, "suffix": "end", "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "parallel_tool_calls": "yes", "audio": {"voice": "x"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content"}, "reasoning_effort": "high", "web_search_options": {},
-    "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 5, "length_penalty": 2, "use_beam_search": True,
+    "min_tokens": 5, "length_penalty": 2, "use_beam_search": True,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
     "prompt_logprobs": 1, "allowed_token_ids": [1], "bad_words": ["x"], "guided_json": {}, "guided_regex": "a+",
     "guided_choice": ["a"], "guided_grammar": "g", "structured_outputs": {"json": {}}, "logits_processors": ["p"],
@@ -130,9 +129,10 @@ def test_transfer_fields_nested_in_extra_body_are_refused(field: str) -> None:
 
 @pytest.mark.parametrize("fields,param", [
     ({"n": 2}, "n"), ({"n": 0}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logit_bias": {str(i): 1.0 for i in range(s.MAX_LOGIT_BIAS_ENTRIES + 1)}}, "logit_bias"),
+    ({"tools": [{"type": "function"}]}, "tools"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ])
@@ -141,7 +141,8 @@ def test_chat_values_the_server_does_not_support_are_refused(fields: dict, param
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"logprobs": 1}, "logprobs"), ({"logprobs": 0}, "logprobs"), ({"echo": True}, "echo"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"echo": True}, "echo"),
     ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"), ({"n": 3}, "n"), ({"max_tokens": 0}, "max_tokens"),
 ])
 def test_completion_values_the_server_does_not_support_are_refused(fields: dict, param: str) -> None:
@@ -152,6 +153,28 @@ def test_neutral_values_of_unsupported_features_are_accepted() -> None:
     s.check_common(chat(n=1, presence_penalty=0, frequency_penalty=0, logprobs=False, top_logprobs=0,
                         logit_bias={}, tools=[]))
     s.check_common(completion(logprobs=False, echo=False, best_of=1, suffix=""))
+
+
+@pytest.mark.parametrize("fields,wanted", [
+    ({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 0}, 0),
+    ({"logprobs": True, "top_logprobs": 20}, 20), ({"logprobs": False, "top_logprobs": 0}, None),
+])
+def test_chat_logprobs_ask_for_top_logprobs_alternatives(fields: dict, wanted: int | None) -> None:
+    assert s.logprobs_requested(chat(**fields)) == wanted
+
+
+@pytest.mark.parametrize("fields,wanted", [({}, None), ({"logprobs": False}, None), ({"logprobs": 0}, 0),
+                                           ({"logprobs": 5}, 5), ({"logprobs": 20}, 20)])
+def test_completion_logprobs_is_the_number_of_alternatives(fields: dict, wanted: int | None) -> None:
+    assert s.logprobs_requested(completion(**fields)) == wanted
+
+
+def test_logit_bias_keys_are_token_ids_of_the_model_and_values_bounded() -> None:
+    assert s.logit_bias(chat(logit_bias={"5": 1.5, "0": -100}), 10) == ((5, 1.5), (0, -100.0))
+    for bias in ({"10": 1.0}, {"-1": 1.0}, {"x": 1.0}, {"5": 100.5}, {"5": -101}):
+        with pytest.raises(RequestError) as info:
+            s.logit_bias(chat(logit_bias=bias), 10)
+        assert info.value.param == "logit_bias"
 
 
 def test_chat_messages_join_text_parts_and_render_developer_as_system() -> None:

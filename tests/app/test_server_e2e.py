@@ -15,7 +15,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
+from sampling_reference import slow_greedy
 from server_process import ServerProcess, serving
+
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import SamplingParams
+from kvfence.scheduler.offline import OfflineEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 COMMON = ("--canary-interval", "3600", "--max-context", "2048", "--prefill-num-pages", "256",
@@ -194,6 +203,26 @@ def test_models_health_ready(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/ready", timeout=10).status_code == 200
 
 
+def test_retrieve_model_and_tokenize_a_reference_chat(server: ServerProcess, client: openai.OpenAI,
+                                                      reference: dict) -> None:
+    """`client.models.retrieve` parses GET /v1/models/{model}; /tokenize of a reference chat gives
+    exactly the prompt ids it was generated from, and /detokenize gives them back."""
+    card = client.models.retrieve(MODEL)
+    listed = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]
+    assert (card.id, card.object, card.owned_by, card.created) == (MODEL, "model", "kvfence", listed["created"])
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.code == "model_not_found"
+    case = next(c for c in reference["cases"] if c["kind"] == "chat")
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        out = http.post("/tokenize", json={"model": MODEL, "messages": case["messages"]}).json()
+        assert (out["count"], out["max_model_len"]) == (case["num_prompt_tokens"], 2048)
+        assert out["tokens"] == case["prompt_token_ids"]
+        text = http.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]}).json()["prompt"]
+        again = http.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}).json()
+        assert again["tokens"] == out["tokens"]
+
+
 def test_same_client_request_id_twice(server: ServerProcess, reference: dict) -> None:
     """Client-supplied ids are never used internally: two requests carrying the same one are both
     served correctly, with distinct server-minted ids."""
@@ -244,3 +273,79 @@ def test_a_growing_conversation_is_cached_every_turn_and_answers_as_a_cold_run(
             assert details.cached_tokens % 16 == 0
         previous_prompt = warm.usage.prompt_tokens
         messages.append({"role": "assistant", "content": warm.choices[0].message.content or ""})
+
+
+# ---- logprobs and sampling controls (issue 15) ----------------------------------------------------
+
+PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {"30": 4.0},
+             "extra_body": {"repetition_penalty": 1.3, "ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2: Checkpoint, reference: dict) -> dict:
+    """The model in this process (fp32): raw logits of 8 greedy tokens of a chat case and a
+    completion case, and the slow reference of a penalized chat (tests/sampling_reference.py)."""
+    model = LlamaModel(smollm2, torch.float32)
+    engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 256, 16, torch.float32)), smollm2.tokenizer,
+                           chunk_tokens=256)
+    chat, text = (next(c for c in reference["cases"] if c["kind"] == kind) for kind in ("chat", "completion"))
+    eight = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    logits = {c["id"]: engine.generate([c["prompt_token_ids"]], [eight], return_logits=True)[0].logits
+              for c in (chat, text)}
+    penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0,
+                               presence_penalty=0.5, repetition_penalty=1.3, logit_bias=((30, 4.0),))
+    ids, _ = slow_greedy(engine, chat["prompt_token_ids"], penalized, 12)
+    return {"chat": chat, "completion": text, "logits": logits, "penalized_text": smollm2.tokenizer.decode(ids)}
+
+
+def test_chat_logprobs_are_the_models_log_softmax_whole_and_streamed(client: openai.OpenAI, offline: dict,
+                                                                       smollm2: Checkpoint) -> None:
+    case = offline["chat"]
+    kw = {**greedy(case), "max_tokens": 8, "messages": case["messages"], "logprobs": True, "top_logprobs": 5}
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    lp = torch.log_softmax(offline["logits"][case["id"]].double(), -1)  # [8, V]
+    assert len(content) == 8
+    for i, entry in enumerate(content):
+        token = case["greedy_ids"][i]
+        assert bytes(entry.bytes) == smollm2.tokenizer.token_bytes(token)
+        assert entry.logprob == pytest.approx(lp[i, token].item(), abs=1e-4)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(lp[i].topk(5).values.tolist(), abs=1e-4)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely token
+    assert b"".join(bytes(e.bytes) for e in content).decode() == whole.choices[0].message.content
+    streamed = [e for chunk in client.chat.completions.create(**kw, stream=True) for c in chunk.choices
+                if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_are_the_models_with_text_offsets(client: openai.OpenAI, offline: dict) -> None:
+    case = offline["completion"]
+    kw = {**greedy(case), "max_tokens": 8, "prompt": case["prompt"], "logprobs": 3}
+    whole = client.completions.create(**kw)
+    lp = torch.log_softmax(offline["logits"][case["id"]].double(), -1)
+    got = whole.choices[0].logprobs
+    assert "".join(got.tokens) == whole.choices[0].text
+    assert got.token_logprobs == pytest.approx([lp[i, t].item() for i, t in enumerate(case["greedy_ids"][:8])], abs=1e-4)
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(8)]
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(lp[i].max().item(), abs=1e-4)
+               for i, top in enumerate(got.top_logprobs))
+    chunks = [c.logprobs for chunk in client.completions.create(**kw, stream=True) for c in chunk.choices if c.logprobs]
+    assert sum((c.tokens for c in chunks), []) == got.tokens
+    assert sum((c.text_offset for c in chunks), []) == got.text_offset
+
+
+def test_penalties_and_bias_equal_the_slow_reference_and_min_p_1_is_greedy(client: openai.OpenAI, offline: dict,
+                                                                          reference: dict) -> None:
+    case = offline["chat"]
+    r = client.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=0,
+                                       **PENALTIES)
+    assert r.choices[0].message.content == offline["penalized_text"]
+    sampled = client.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=1.0,
+                                             seed=7, extra_body={"min_p": 1.0, "ignore_eos": True})
+    greedy_12 = client.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert greedy_12.choices[0].message.content.startswith(case["text_until_eos"][:16])
+    assert sampled.choices[0].message.content == greedy_12.choices[0].message.content  # only the top token survives

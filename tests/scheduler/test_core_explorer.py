@@ -64,7 +64,7 @@ def test_it_finds_a_release_before_the_transfer_is_quiet(tiny: Checkpoint, monke
 def test_it_finds_an_emit_before_the_kv_landed(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """Put back the bug of a disaggregated request that starts decoding (and streams its first
     token) as soon as its prefill is done, before its KV transfer landed."""
-    monkeypatch.setattr(SchedulerCore, "_prefilled", lambda self, req, token, now: self._start_decoding(req, token, now))
+    monkeypatch.setattr(SchedulerCore, "_prefilled", lambda self, req, token, logprobs, now: self._start_decoding(req, token, logprobs, now))
     with pytest.raises(Violation) as found:
         explore(world_factory(tiny, True, Budget(restarts=0, aborts=0, ticks=0, transfer_faults=0)))
     print(found.value)
@@ -96,10 +96,10 @@ def test_it_finds_a_seal_of_pages_the_prefill_did_not_fill(tiny: Checkpoint, mon
     write into sealed pages (and the worker share slots nobody wrote)."""
     real = SchedulerCore._prefilled
 
-    def seal_early(self: SchedulerCore, req, token, now):  # type: ignore[no-untyped-def]
+    def seal_early(self: SchedulerCore, req, token, logprobs, now):  # type: ignore[no-untyped-def]
         if req.decode_lease != req.prefill_lease:
             self._seal(req.pair.decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
-        real(self, req, token, now)
+        real(self, req, token, logprobs, now)
 
     monkeypatch.setattr(SchedulerCore, "_prefilled", seal_early)
     with pytest.raises(Violation) as found:

@@ -10,7 +10,6 @@ where it stopped (its output equals the one it produces alone), and every page c
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import anyio
 import pytest
@@ -79,13 +78,6 @@ def config(mode: str, **kw: object) -> SchedulerConfig:
     base: dict[str, object] = dict(page_size_tokens=PAGE, max_context_tokens=CONTEXT, max_running=32, max_queue=32,
                                    chunk_tokens=16, disaggregated=mode != "colocated", transfer_timeout_s=10)
     return SchedulerConfig(**{**base, **kw})  # type: ignore[arg-type]
-
-
-@pytest.fixture
-async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
-    async with anyio.create_task_group() as tg:
-        yield tg
-        tg.cancel_scope.cancel()
 
 
 def preemptions(s: Scheduler) -> float:

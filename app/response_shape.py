@@ -1,0 +1,66 @@
+"""The response bodies and stream chunks of one chat or text completion (OpenAI's shapes).
+
+A request that asked for logprobs gets them on every chunk that carries tokens and on the whole
+body (app/logprobs_shape.py); one that did not gets `logprobs: null`, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from kvfence.app import openai_schemas as s
+from kvfence.app.logprobs_shape import CompletionLogprobsBuilder, TokenPieces, chat_logprobs
+from kvfence.engine.logprobs import TokenLogprobs
+
+
+class ResponseShape:
+    def __init__(self, *, chat: bool, model: str, request_id: str, include_usage: bool, logprobs: bool,
+                 pieces: TokenPieces) -> None:
+        """`logprobs`: the request asked for them (each chunk's tokens come with theirs)."""
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.model = model
+        self.usage_field: Any = None if include_usage else msgspec.UNSET
+        self.logprobs = logprobs
+        self._pieces = pieces
+        self._completion_logprobs = CompletionLogprobsBuilder(pieces)
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> s.ChatLogprobs | None:
+        return chat_logprobs(self._pieces, token_ids, entries) if self.logprobs else None
+
+    def _text_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> s.CompletionLogprobs | None:
+        return self._completion_logprobs(token_ids, entries) if self.logprobs else None
+
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False, token_ids: list[int] = [],
+              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct:
+        """One stream chunk: `text` (None: no content field) of `token_ids`, whose `logprobs` it
+        carries when asked for (a chunk without tokens carries none)."""
+        if self.chat:
+            delta = s.ChatDelta(role="assistant" if role else msgspec.UNSET,
+                                content=msgspec.UNSET if text is None else text)
+            choice = s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason,
+                                       logprobs=self._chat_logprobs(token_ids, logprobs) if token_ids else None)
+            return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
+                                         choices=[choice])
+        choice = s.CompletionChoice(index=0, text=text or "", finish_reason=finish_reason,
+                                    logprobs=self._text_logprobs(token_ids, logprobs) if token_ids else None)
+        return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
+                                choices=[choice])
+
+    def usage_chunk(self, usage: s.Usage) -> msgspec.Struct:
+        kind = s.ChatCompletionChunk if self.chat else s.TextCompletion
+        return kind(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+
+    def whole(self, text: str, finish_reason: str, usage: s.Usage, token_ids: list[int],
+              logprobs: list[TokenLogprobs]) -> msgspec.Struct:
+        if self.chat:
+            choice = s.ChatChoice(index=0, message=s.AssistantMessage(content=text), finish_reason=finish_reason,
+                                  logprobs=self._chat_logprobs(token_ids, logprobs))
+            return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
+        return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
+                                choices=[s.CompletionChoice(index=0, text=text, finish_reason=finish_reason,
+                                                            logprobs=self._text_logprobs(token_ids, logprobs))])

@@ -1,0 +1,111 @@
+"""Penalties, logit bias and logprobs through the real scheduler and workers (tiny random Llama),
+colocated and disaggregated: the first token is picked by the prefill worker and the rest by the
+decode worker, each from the counts its lease was given, and the tokens must equal a slow
+reference that recomputes the whole sequence for every token. Logprobs are the model's raw
+log-softmax at every position. A preempted request recomputes its counts on its new leases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+import pytest
+import torch
+from sampling_reference import slow_greedy
+from serving_harness import assert_baseline, start_serving, wait_idle
+
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import SamplingParams
+from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.driver import Scheduler
+from kvfence.scheduler.offline import OfflineEngine
+
+PAGE = 4
+CONTEXT = 96
+PENALIZED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.5,
+                           repetition_penalty=1.6, logit_bias=((7, 3.0), (11, -50.0)))
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (int(torch.randint(4, 24, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def reference(tiny: Checkpoint, ps: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[torch.Tensor]]]:
+    model = LlamaModel(tiny, torch.float32)
+    engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 64, PAGE, torch.float32)), tiny.tokenizer,
+                           chunk_tokens=16)
+    return [slow_greedy(engine, p, params, params.max_tokens or 1) for p in ps]
+
+
+async def run_all(s: Scheduler, ps: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list, str | None]]:
+    handles = [s.submit(p, params) for p in ps]
+    results: list = [None] * len(ps)
+
+    async def one(i: int) -> None:
+        ids: list[int] = []
+        logprobs: list = []
+        async for d in handles[i].deltas():
+            ids += d.token_ids
+            logprobs += d.logprobs
+            if d.terminal:
+                results[i] = (ids, logprobs, d.error.code if d.error else d.finish_reason)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(ps)):
+                tg.start_soon(one, i)
+    return results
+
+
+def config(mode: str) -> SchedulerConfig:
+    return SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, max_running=32, max_queue=32,
+                           chunk_tokens=16, disaggregated=mode != "colocated", transfer_timeout_s=10)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["colocated", "inprocess", "tcp"])
+async def test_penalties_and_bias_equal_the_slow_reference_and_logprobs_are_the_models(
+        tiny: Checkpoint, mode: str, task_group: anyio.abc.TaskGroup) -> None:
+    ps = prompts(4, seed=5)
+    params = dataclasses.replace(PENALIZED, logprobs=3)
+    want = reference(tiny, ps, params)  # before serving: it blocks the event loop the endpoints ping on
+    plain = reference(tiny, ps[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0][0]
+    assert plain != want[0][0]  # the controls change the output, so equality below means something
+    serving = await start_serving(task_group, tiny, mode, config(mode), num_pages=64)
+    results = await run_all(serving.scheduler, ps, params)
+    for (ids, logprobs, reason), (want_ids, raw_rows) in zip(results, want):
+        assert reason == "length" and ids == want_ids
+        assert len(logprobs) == len(ids)
+        for token, entry, raw in zip(ids, logprobs, raw_rows):
+            lp = torch.log_softmax(raw.double(), -1)
+            assert entry.logprob == pytest.approx(lp[token].item(), abs=1e-4)
+            assert entry.top_ids == lp.topk(3).indices.tolist()
+            assert entry.top_logprobs == pytest.approx(lp.topk(3).values.tolist(), abs=1e-4)
+    assert 11 not in [t for ids, _, _ in results for t in ids]  # biased away
+    await wait_idle(serving.scheduler)
+    assert_baseline(serving.scheduler)
+    await serving.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["colocated", "tcp"])
+async def test_a_preempted_penalized_request_recounts_on_its_new_leases(
+        tiny: Checkpoint, mode: str, task_group: anyio.abc.TaskGroup) -> None:
+    """A pool of 30 pages and six requests that grow to 9-16 pages: the newest are preempted and
+    recomputed; their penalties must still see every token they generated before."""
+    ps = prompts(6, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=0.6, repetition_penalty=1.3)
+    want = reference(tiny, ps, params)
+    serving = await start_serving(task_group, tiny, mode, config(mode), num_pages=30)
+    s = serving.scheduler
+    results = await run_all(s, ps, params)
+    assert [r[0] for r in results] == [w[0] for w in want]
+    assert s.metrics.preemptions._value.get() > 0  # the pool really ran out mid-generation
+    assert all(r[1] == [] for r in results)  # no logprobs asked for, none sent
+    await wait_idle(s)
+    await serving.aclose()
