@@ -313,7 +313,8 @@ class _Api:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0,
                 logit_bias=s.logit_bias(req, vocab_size),
-                logprobs=s.logprobs_requested(req))
+                logprobs=s.logprobs_requested(req),
+                grammar=s.grammar(req))
         except ValueError as e:
             raise from_sampling_error(e, max_param) from e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

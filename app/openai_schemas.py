@@ -3,7 +3,7 @@
 Requests: the transfer / routing fields in `FORBIDDEN_FIELDS` are refused whatever their value:
 nothing in a body may choose a peer, a KV page or a transport, so a body that carries any of them
 (at the top level or inside `extra_body`) is refused. The OpenAI and vLLM fields kvfence does not
-implement (`UNSUPPORTED_FIELDS`: tools, response_format, n > 1, echo, ...) are refused
+implement (`UNSUPPORTED_FIELDS`: tools, n > 1, echo, ...) are refused
 unless they hold a value that changes nothing (null, or their documented default, e.g. `n: 1`),
 never silently ignored. Other unknown fields are ignored: clients send extras that do not change
 the output (`metadata`, `service_tier`, ...). `check_common` raises `RequestError` (400, `param`
@@ -19,6 +19,7 @@ from typing import Any
 
 from msgspec import UNSET, Struct, UnsetType
 
+from kvfence.engine.grammar import check_grammar, grammar_spec
 from kvfence.scheduler.errors import RequestError
 
 FORBIDDEN_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
@@ -30,8 +31,7 @@ MAX_CACHE_SALT_CHARS = 256
 # has the same type (so completions' `logprobs: 0`, which asks for logprobs, is not `false`).
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     # OpenAI
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),  # no tools can be given, so either value changes nothing
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
@@ -84,6 +84,18 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: Any = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _RequestBase(Struct, kw_only=True):
     """Fields both endpoints share, and the refused transfer / routing fields (any value, even
     null, counts as carrying the field: only UNSET means absent)."""
@@ -108,6 +120,7 @@ class _RequestBase(Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     top_logprobs: int | None = None  # chat only (with logprobs: true)
+    response_format: ResponseFormat | None = None
     repetition_penalty: float | None = None  # vLLM's extra parameters
     min_p: float | None = None
     extra_body: dict[str, Any] | None = None
@@ -115,7 +128,6 @@ class _RequestBase(Struct, kw_only=True):
     echo: Any = UNSET
     best_of: Any = UNSET
     suffix: Any = UNSET
-    response_format: Any = UNSET
     tools: Any = UNSET
     tool_choice: Any = UNSET
     functions: Any = UNSET
@@ -257,6 +269,33 @@ def logprobs_requested(req: ChatCompletionRequest | CompletionRequest) -> int | 
         raise invalid("logprobs", f"logprobs (completions) is the number of alternatives per token, an integer "
                                   f"between 0 and {MAX_TOP_LOGPROBS}; got {value!r}")
     return value
+
+
+def grammar(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The grammar `response_format` asks the output to follow (engine/grammar.py), or None for
+    text. Raises RequestError(400) naming the field: an unknown type, a json_schema without a
+    schema, a schema that cannot be compiled, or `ignore_eos` beside it (a grammar ends with EOS)."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        spec = grammar_spec("json_object")
+    elif fmt.type == "json_schema":
+        if fmt.json_schema is None or not isinstance(fmt.json_schema.schema, (dict, bool)):
+            raise invalid("response_format.json_schema.schema", "a json_schema response format needs "
+                          "json_schema.schema: a JSON Schema object", "missing_required_parameter")
+        spec = grammar_spec("json_schema", fmt.json_schema.schema, bool(fmt.json_schema.strict))
+        try:
+            check_grammar(spec)
+        except ValueError as e:
+            raise invalid("response_format.json_schema.schema", f"the JSON schema cannot be used: {e}") from e
+    else:
+        raise invalid("response_format.type", f"response_format.type must be 'text', 'json_object' or "
+                                              f"'json_schema', got {fmt.type!r}")
+    if req.ignore_eos:
+        raise invalid("ignore_eos", "ignore_eos cannot be combined with response_format: the output ends where "
+                                    "the grammar is complete", "unsupported_value")
+    return spec
 
 
 def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -101,7 +101,7 @@ def _build(config: ServeConfig, checkpoint: Checkpoint, roles: list[str], intra_
                      model.attention.name, compute[device].intra_op_threads)
             sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if config.workers.kv_sanitizer else None
             workers[role] = Worker(plan.role, ModelRunner(model, pool, sanitizer=sanitizer),
-                                   scrub=config.pools.kv_scrub)
+                                   scrub=config.pools.kv_scrub, tokenizer=checkpoint.tokenizer)
     except BaseException:
         for thread in compute.values():
             thread.close()

@@ -30,17 +30,19 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     logit_bias: list[tuple[int, float]] = []
     logprobs: int | None = None
+    grammar: str | None = None  # engine/grammar.py: the worker compiles it once and keeps a matcher per lease
 
     @classmethod
     def of(cls, p: SamplingParams) -> SamplingSpec:
         return cls(p.temperature, p.top_p, p.top_k, p.seed, p.presence_penalty, p.frequency_penalty,
-                   p.repetition_penalty, p.min_p, list(p.logit_bias), p.logprobs)
+                   p.repetition_penalty, p.min_p, list(p.logit_bias), p.logprobs, p.grammar)
 
     def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                              logit_bias=tuple((t, b) for t, b in self.logit_bias), logprobs=self.logprobs)
+                              logit_bias=tuple((t, b) for t, b in self.logit_bias), logprobs=self.logprobs,
+                              grammar=self.grammar)
 
 
 class SeqStep(msgspec.Struct, frozen=True):
@@ -57,7 +59,8 @@ class SeqStep(msgspec.Struct, frozen=True):
     # The seal tag of the sequence's tenant: it may also read (never write) pages sealed with it,
     # shared read-only from the prefix cache. 0: it reads only its own pages.
     seal: int = 0
-    # For penalized sampling (engine/token_counts.py): on the lease's first sampling step, every
+    # For penalized or grammar-bound sampling (engine/token_counts.py, engine/grammar.py): on the
+    # lease's first sampling step, every
     # token of the sequence before `token_ids` (None afterwards: the worker counts what steps feed),
     # and how many of the sequence's tokens are its prompt.
     history: list[int] | None = None

@@ -8,12 +8,14 @@ tables come from the page ledger and are only read here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from kvfence.engine.attention import build_attention_batch
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer, SlotViolation
+from kvfence.engine.grammar import apply_grammars
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.logprobs import TokenLogprobs, token_logprobs
 from kvfence.engine.owner_check import OwnerViolation, check_owner_tags
@@ -33,6 +35,7 @@ class SeqWork:
     output_index: int = 0  # index of the token to sample within the output (seeds the noise)
     seal: int = 0  # its tenant's seal: it may also read (never write) pages sealed with it
     counts: TokenCounts | None = None  # what it has seen, where its sampling is penalized (token_counts.py)
+    grammar: Any = None  # its grammar matcher, where its output must follow one (grammar.py)
 
     @property
     def is_decode(self) -> bool:
@@ -121,7 +124,8 @@ class ModelRunner:
         if not scored:
             return StepResult(tokens, None)
         params: list[SamplingParams] = [works[i].sampling for i in scored]  # type: ignore[misc]
-        sampled = self.sampler.sample(logits, params, [works[i].output_index for i in scored],
+        allowed = apply_grammars(logits, [works[i].grammar for i in scored])  # [N, V]; logprobs stay the model's
+        sampled = self.sampler.sample(allowed, params, [works[i].output_index for i in scored],
                                       [works[i].counts for i in scored])
         for i, tok in zip(scored, sampled.tolist()):
             tokens[i] = tok

@@ -67,6 +67,7 @@ class SamplingParams:
     logprobs: None (off) or 0..MAX_LOGPROBS: return the sampled token's log-probability and that
       many of the most likely alternatives, from the model's own distribution (before bias,
       penalties and temperature: what vLLM returns by default).
+    grammar: None, or the canonical text of a grammar the output must follow (engine/grammar.py).
     Lists given for `stop` / `stop_token_ids` are stored as tuples, so the params stay hashable.
     """
 
@@ -84,6 +85,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -129,6 +131,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {bias!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError(f"grammar must be None or a grammar's text, got {self.grammar!r}")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         object.__setattr__(self, "min_p", float(self.min_p))
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
@@ -136,6 +140,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+    @property
+    def tracks_history(self) -> bool:
+        """Whether the worker that samples it keeps state of its sequence per lease (penalty
+        counts or a grammar matcher), built from the history its lease's first step carries."""
+        return self.penalized or self.grammar is not None
 
     @property
     def penalized(self) -> bool:

@@ -18,7 +18,9 @@ from kvfence.engine.kv_sanitizer import SlotViolation
 from kvfence.engine.owner_check import OwnerViolation
 from kvfence.engine.page_tables import LeasePageTables
 from kvfence.engine.runner import ModelRunner, SeqWork
+from kvfence.engine.grammar import LeaseGrammars
 from kvfence.engine.token_counts import LeaseTokenCounts
+from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.engine.protocol import (
     OwnerMismatch, RunStep, SeqStep, StepDone, StepFailed, WorkerReply, WorkerRequest, decode_reply, decode_request, encode,
@@ -28,9 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison") -> None:
+    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison", tokenizer: Tokenizer | None = None) -> None:
         """`scrub`: what released pages are filled with (see KVPool.clear). With a KV sanitizer on
-        the runner, the worker also tells it of releases and of transfers that landed."""
+        the runner, the worker also tells it of releases and of transfers that landed.
+        `tokenizer`: the model's, which a grammar needs (engine/grammar.py); without it a step of a
+        grammar-bound request fails."""
         if scrub not in SCRUB_MODES:
             raise ValueError(f"--kv-scrub must be one of {', '.join(SCRUB_MODES)}, got {scrub!r}")
         self.role = role
@@ -40,6 +44,7 @@ class Worker:
         self.sanitizer = runner.sanitizer
         self.page_tables = LeasePageTables()
         self.token_counts = LeaseTokenCounts(runner.model.config.vocab_size, self.device)
+        self.grammars = LeaseGrammars(tokenizer, runner.model.config.vocab_size)
         self.incarnation = id_hex(mint_id())
 
     def restart(self) -> None:
@@ -50,6 +55,7 @@ class Worker:
         self.pool.clear(every, "poison")
         self.page_tables.clear()
         self.token_counts.clear()
+        self.grammars.clear()
         if self.sanitizer is not None:
             self.sanitizer.forget(every)
         old, self.incarnation = self.incarnation, id_hex(mint_id())
@@ -85,6 +91,7 @@ class Worker:
             self.pool.clear(cmd.released, self.scrub)
         self.page_tables.forget(cmd.ended)
         self.token_counts.forget(cmd.ended)
+        self.grammars.forget(cmd.ended)
         for grant in cmd.grants:
             self.pool.assign(grant.pages, grant.lease)
             self.page_tables.name(grant.lease, grant.tenant)
@@ -123,11 +130,14 @@ class Worker:
 
     def _work(self, s: SeqStep) -> SeqWork:
         params = s.sampling.params() if s.sampling is not None else None
-        counts = None
+        counts = grammar = None
         if params is not None and params.penalized:
             counts = self.token_counts.observe(s.lease, s.context_tokens, s.token_ids, s.history, s.prompt_tokens)
+        if params is not None and params.grammar is not None:
+            grammar = self.grammars.observe(s.lease, params.grammar, s.context_tokens, s.token_ids, s.history,
+                                            s.prompt_tokens)
         return SeqWork(s.token_ids, s.context_tokens, self.page_tables.extend(s.lease, s.new_pages), s.lease,
-                       params, s.output_index, s.seal, counts)
+                       params, s.output_index, s.seal, counts, grammar)
 
     def _mismatch(self, v: OwnerViolation | SlotViolation) -> OwnerMismatch:
         if isinstance(v, OwnerViolation):

@@ -43,7 +43,7 @@ class OfflineEngine:
         if chunk_tokens <= 0 or max_running <= 0:
             raise ValueError("chunk_tokens and max_running must be > 0")
         self.runner = runner
-        self.worker = Worker("colocated", runner)
+        self.worker = Worker("colocated", runner, tokenizer=tokenizer)
         self.config = SchedulerConfig(
             page_size_tokens=runner.pool.page_size_tokens, max_running=max_running, max_queue=1 << 30,
             chunk_tokens=chunk_tokens, disaggregated=False,

@@ -19,10 +19,11 @@ def decode_steps(requests: list[Request], table: LeaseTable) -> list[SeqStep]:
 
 
 def _counting(req: Request, lease: int, position: int) -> tuple[list[int] | None, int]:
-    """(history, prompt_tokens) of a sampling step of `req` on `lease` at `position`: a penalized
-    request's worker counts its tokens per lease (engine/token_counts.py), so the first sampling
-    step of each lease carries every token before it, and the request notes that it did."""
-    if not req.params.penalized:
+    """(history, prompt_tokens) of a sampling step of `req` on `lease` at `position`: the worker of
+    a penalized or grammar-bound request keeps its state per lease (engine/token_counts.py,
+    engine/grammar.py), so the first sampling step of each lease carries every token before it,
+    and the request notes that it did."""
+    if not req.params.tracks_history:
         return None, 0
     if req.counted_lease == lease:
         return None, len(req.prompt)

@@ -15,6 +15,7 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker, LocalWorkerChannel
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
@@ -42,7 +43,7 @@ def make_worker(checkpoint: Checkpoint, role: str, num_pages: int, page_size: in
                 dtype: torch.dtype = torch.float32) -> Worker:
     model = LlamaModel(checkpoint, dtype)
     pool = KVPool(model.config, num_pages, page_size, dtype)
-    return Worker(role, ModelRunner(model, pool, sanitizer=KvSanitizer(num_pages, page_size)))
+    return Worker(role, ModelRunner(model, pool, sanitizer=KvSanitizer(num_pages, page_size)), tokenizer=checkpoint.tokenizer)
 
 
 @dataclasses.dataclass
@@ -122,3 +123,42 @@ async def start_serving_over(tg: TaskGroup, checkpoint: Checkpoint, config: Sche
                           decode_pages=num_pages, link=link)
     await scheduler.run(tg)
     return Serving(scheduler, [pw, dw], [sender, receiver])
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one request sent its reader: tokens, text, logprobs, and how it ended (a finish
+    reason or an error code)."""
+
+    ids: list[int]
+    text: str
+    logprobs: list
+    end: str | None
+
+
+async def serve_all(scheduler: Scheduler, prompts: list[list[int]], params: list[SamplingParams],
+                    timeout_s: float = 60) -> list[Outcome]:
+    """Submit every prompt at once and read every stream to its end."""
+    handles = [scheduler.submit(p, q) for p, q in zip(prompts, params)]
+    results: list[Outcome] = [Outcome([], "", [], None) for _ in prompts]
+
+    async def one(i: int) -> None:
+        out = results[i]
+        async for d in handles[i].deltas():
+            out.ids += d.token_ids
+            out.text += d.text
+            out.logprobs += d.logprobs
+            if d.terminal:
+                out.end = d.error.code if d.error else d.finish_reason
+
+    with anyio.fail_after(timeout_s):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+    return results
+
+
+def small_config(mode: str, page_size_tokens: int, max_context_tokens: int) -> SchedulerConfig:
+    """Room for 32 requests, chunks of 16 tokens; colocated or disaggregated by `mode`."""
+    return SchedulerConfig(page_size_tokens=page_size_tokens, max_context_tokens=max_context_tokens, max_running=32,
+                           max_queue=32, chunk_tokens=16, disaggregated=mode != "colocated", transfer_timeout_s=10)

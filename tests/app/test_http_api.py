@@ -143,7 +143,12 @@ ENDPOINTS = [(CHAT, chat_body), (COMPLETIONS, completion_body)]
     ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
     ({"min_p": 1.5}, "min_p", "invalid_value"),
     ({"logit_bias": {"259": 1}}, "logit_bias", "invalid_value"),  # the vocabulary is 0..258
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema", "invalid_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "missing_required_parameter"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "unsupported_value"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_value"),
     ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
     ({"echo": True}, "echo", "unsupported_value"),

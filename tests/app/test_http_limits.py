@@ -174,7 +174,7 @@ def test_huge_prompts_get_their_400_and_other_streams_carry_on(server: ServerPro
 
 
 def test_unsupported_fields_are_refused_by_name_and_the_default_call_is_served(client: openai.OpenAI) -> None:
-    for fields, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+    for fields, param in (({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
                           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
                           ({"n": 2}, "n"), ({"extra_body": {"min_tokens": 3}}, "min_tokens")):
         with pytest.raises(openai.BadRequestError) as info:

@@ -78,7 +78,7 @@ def test_values_at_the_bounds_are_accepted() -> None:
 
 # A value that would change the output, for every field of UNSUPPORTED_FIELDS.
 ACTIVE_VALUES: dict[str, object] = {
-    "n": 2, "best_of": 3, "echo": True, "suffix": "end", "response_format": {"type": "json_object"},
+    "n": 2, "best_of": 3, "echo": True, "suffix": "end",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "parallel_tool_calls": "yes", "audio": {"voice": "x"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content"}, "reasoning_effort": "high", "web_search_options": {},

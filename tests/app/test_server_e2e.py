@@ -7,12 +7,14 @@ equal solo runs, and every test leaves both KV pools at their baseline (read fro
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -349,3 +351,29 @@ def test_penalties_and_bias_equal_the_slow_reference_and_min_p_1_is_greedy(clien
                                                extra_body={"ignore_eos": True})
     assert greedy_12.choices[0].message.content.startswith(case["text_until_eos"][:16])
     assert sampled.choices[0].message.content == greedy_12.choices[0].message.content  # only the top token survives
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
+          "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "languages": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}}}
+
+
+def test_structured_output_validates_whole_and_streamed(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Describe a famous scientist as JSON."}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
+                                           response_format=schema_format)  # type: ignore[arg-type]
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), PERSON)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=200, temperature=0, response_format=schema_format, stream=True)  # type: ignore[arg-type]
+        if c.choices)
+    assert streamed == whole.choices[0].message.content
+    anything = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=120,
+                                         temperature=0.8, seed=3, extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(anything.choices[0].text), dict) and anything.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={  # type: ignore[arg-type]
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": 5}}})
+    assert info.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
+    assert "properties" in info.value.body["message"]  # type: ignore[index]

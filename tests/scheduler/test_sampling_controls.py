@@ -12,7 +12,7 @@ import anyio
 import pytest
 import torch
 from sampling_reference import slow_greedy
-from serving_harness import assert_baseline, start_serving, wait_idle
+from serving_harness import assert_baseline, serve_all, small_config, start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
@@ -20,7 +20,6 @@ from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.offline import OfflineEngine
 
 PAGE = 4
@@ -42,29 +41,8 @@ def reference(tiny: Checkpoint, ps: list[list[int]], params: SamplingParams) -> 
     return [slow_greedy(engine, p, params, params.max_tokens or 1) for p in ps]
 
 
-async def run_all(s: Scheduler, ps: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list, str | None]]:
-    handles = [s.submit(p, params) for p in ps]
-    results: list = [None] * len(ps)
-
-    async def one(i: int) -> None:
-        ids: list[int] = []
-        logprobs: list = []
-        async for d in handles[i].deltas():
-            ids += d.token_ids
-            logprobs += d.logprobs
-            if d.terminal:
-                results[i] = (ids, logprobs, d.error.code if d.error else d.finish_reason)
-
-    with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            for i in range(len(ps)):
-                tg.start_soon(one, i)
-    return results
-
-
 def config(mode: str) -> SchedulerConfig:
-    return SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, max_running=32, max_queue=32,
-                           chunk_tokens=16, disaggregated=mode != "colocated", transfer_timeout_s=10)
+    return small_config(mode, PAGE, CONTEXT)
 
 
 @pytest.mark.anyio
@@ -77,16 +55,17 @@ async def test_penalties_and_bias_equal_the_slow_reference_and_logprobs_are_the_
     plain = reference(tiny, ps[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0][0]
     assert plain != want[0][0]  # the controls change the output, so equality below means something
     serving = await start_serving(task_group, tiny, mode, config(mode), num_pages=64)
-    results = await run_all(serving.scheduler, ps, params)
-    for (ids, logprobs, reason), (want_ids, raw_rows) in zip(results, want):
-        assert reason == "length" and ids == want_ids
+    results = await serve_all(serving.scheduler, ps, [params] * len(ps))
+    for out, (want_ids, raw_rows) in zip(results, want):
+        ids, logprobs = out.ids, out.logprobs
+        assert out.end == "length" and ids == want_ids
         assert len(logprobs) == len(ids)
         for token, entry, raw in zip(ids, logprobs, raw_rows):
             lp = torch.log_softmax(raw.double(), -1)
             assert entry.logprob == pytest.approx(lp[token].item(), abs=1e-4)
             assert entry.top_ids == lp.topk(3).indices.tolist()
             assert entry.top_logprobs == pytest.approx(lp.topk(3).values.tolist(), abs=1e-4)
-    assert 11 not in [t for ids, _, _ in results for t in ids]  # biased away
+    assert 11 not in [t for out in results for t in out.ids]  # biased away
     await wait_idle(serving.scheduler)
     assert_baseline(serving.scheduler)
     await serving.aclose()
@@ -103,9 +82,9 @@ async def test_a_preempted_penalized_request_recounts_on_its_new_leases(
     want = reference(tiny, ps, params)
     serving = await start_serving(task_group, tiny, mode, config(mode), num_pages=30)
     s = serving.scheduler
-    results = await run_all(s, ps, params)
-    assert [r[0] for r in results] == [w[0] for w in want]
+    results = await serve_all(s, ps, [params] * len(ps))
+    assert [r.ids for r in results] == [w[0] for w in want]
     assert s.metrics.preemptions._value.get() > 0  # the pool really ran out mid-generation
-    assert all(r[1] == [] for r in results)  # no logprobs asked for, none sent
+    assert all(r.logprobs == [] for r in results)  # no logprobs asked for, none sent
     await wait_idle(s)
     await serving.aclose()
