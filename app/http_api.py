@@ -52,6 +52,7 @@ from kvfence.app.stall import SendWatch
 from kvfence.app.logprobs_shape import TokenPieces
 from kvfence.app.response_shape import ResponseShape
 from kvfence.app.token_routes import TokenRoutes
+from kvfence.app.tools import ToolPlan, plan_tools
 from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.errors import RequestError
@@ -86,6 +87,7 @@ class _Prepared:
     model: str
     user: str | None = None  # the client's `user` field: logged, never used
     cache_salt: str = ""  # partitions the tenant's prefix cache; never chooses a tenant
+    tools: ToolPlan | None = None  # the output is tool calls (app/tools.py)
 
 
 class _GenerationResponse(Response):
@@ -100,7 +102,7 @@ class _GenerationResponse(Response):
         self.stall_timeout_s = stall_timeout_s
         self.shape = ResponseShape(chat=prep.chat, model=prep.model, request_id=handle.request_id,
                                    include_usage=prep.include_usage, logprobs=prep.sampling.logprobs is not None,
-                                   pieces=pieces)
+                                   pieces=pieces, tools=prep.tools)
         self.status_code, self.background, self.raw_headers = 200, None, list(_SSE_HEADERS if prep.stream else ())
         self.finished = False
 
@@ -168,6 +170,7 @@ class _GenerationResponse(Response):
         if self.shape.chat:
             await event(self.shape.chunk("", None, role=True))
         completion_tokens = 0
+        call_text: list[str] = []  # tool calls are sent whole, once the grammar completed them
         failure: RequestError = internal_error("the request ended without a result")
         async with contextlib.aclosing(self.handle.deltas()) as deltas:
             async for delta in deltas:
@@ -176,13 +179,19 @@ class _GenerationResponse(Response):
                     break
                 completion_tokens += len(delta.token_ids)
                 carries_logprobs = self.shape.logprobs and delta.token_ids
-                if delta.text or carries_logprobs or (delta.finish_reason is not None and not self.shape.chat):
+                if self.shape.tools is not None:
+                    call_text.append(delta.text)
+                elif delta.text or carries_logprobs or (delta.finish_reason is not None and not self.shape.chat):
                     await event(self.shape.chunk(delta.text, None if self.shape.chat else delta.finish_reason,
                                                  token_ids=delta.token_ids, logprobs=delta.logprobs))
                 if delta.finish_reason is not None:
                     self.finished = True
+                    reason = delta.finish_reason
+                    if self.shape.tools is not None:
+                        calls, reason = self.shape.tool_chunk("".join(call_text), reason)
+                        await event(calls)
                     if self.shape.chat:
-                        await event(self.shape.chunk(None, delta.finish_reason))
+                        await event(self.shape.chunk(None, reason))
                     if self.prep.include_usage:
                         await event(self.shape.usage_chunk(self._usage(completion_tokens, delta.cached_tokens)))
                     await send({"type": "http.response.body", "body": _DONE, "more_body": False})
@@ -270,10 +279,16 @@ class _Api:
 
     def _prepare_chat(self, req: s.ChatCompletionRequest) -> _Prepared:
         self._check(req)
-        text = chat_text(self.engine.tokenizer, s.chat_messages(req))
+        tok = self.engine.tokenizer
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tok.chat_template)
+        if plan is not None and s.grammar(req) is not None:
+            raise s.invalid("response_format", "a tool call's output is the call's JSON: leave response_format out "
+                            "when tool_choice asks for a call", "unsupported_value")
+        tools = msgspec.to_builtins(req.tools) if req.tools else None
+        text = chat_text(tok, s.chat_messages(req), tools=tools)
         ids = self.prompts.encode(text, add_bos=False, where="messages",
                                   max_context_tokens=self.engine.max_context_tokens)
-        return self._finish(req, ids, chat=True, where="messages")
+        return self._finish(req, ids, chat=True, where="messages", tools=plan)
 
     def _prepare_completion(self, req: s.CompletionRequest) -> _Prepared:
         self._check(req)
@@ -286,7 +301,7 @@ class _Api:
         return self._finish(req, ids, chat=False, where="prompt")
 
     def _finish(self, req: s.ChatCompletionRequest | s.CompletionRequest, ids: list[int], *, chat: bool,
-                where: str) -> _Prepared:
+                where: str, tools: ToolPlan | None = None) -> _Prepared:
         if not ids:
             raise s.invalid(where, f"the {where} must not be empty (it encodes to no tokens)")
         max_tokens, max_param = s.requested_max_tokens(req)
@@ -314,13 +329,13 @@ class _Api:
                 min_p=req.min_p or 0.0,
                 logit_bias=s.logit_bias(req, vocab_size),
                 logprobs=s.logprobs_requested(req),
-                grammar=s.grammar(req))
+                grammar=tools.grammar if tools is not None else s.grammar(req))
         except ValueError as e:
             raise from_sampling_error(e, max_param) from e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Prepared(prompt_ids=ids, sampling=sampling, chat=chat, stream=bool(req.stream),
                          include_usage=include_usage, model=self.engine.model_name, user=req.user,
-                         cache_salt=req.cache_salt or "")
+                         cache_salt=req.cache_salt or "", tools=tools)
 
     def _unauthorized(self, needs: str) -> Response:
         err = RequestError(401, "invalid_api_key", f"this route needs {needs}: send it as 'Authorization: Bearer "

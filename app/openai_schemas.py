@@ -15,10 +15,12 @@ Responses: `UNSET` fields are left out of the JSON (msgspec omits them).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from msgspec import UNSET, Struct, UnsetType
 
+from kvfence.app.tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta, message_calls
 from kvfence.engine.grammar import check_grammar, grammar_spec
 from kvfence.scheduler.errors import RequestError
 
@@ -55,7 +57,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; completions' too here (vLLM's 
 MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, as vLLM takes it
 # Chat roles the server renders; "developer" (OpenAI's newer name for system) is rendered as system.
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+CHAT_TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})  # refused on completions only
 
 
 def invalid(param: str | None, message: str, code: str = "invalid_value") -> RequestError:
@@ -82,6 +85,8 @@ class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
@@ -177,6 +182,9 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    tools: list[Tool] | None = None  # app/tools.py
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_RequestBase, kw_only=True):
@@ -192,6 +200,8 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     vocabulary by the API, which knows it.)"""
     check_forbidden(req)
     for field, no_ops in UNSUPPORTED_FIELDS.items():
+        if field in CHAT_TOOL_FIELDS and isinstance(req, ChatCompletionRequest):
+            continue  # chat takes them (app/tools.py)
         value = getattr(req, field)
         if value is not UNSET and value is not None and not any(_same(value, v) for v in no_ops):
             default = f" or send {_show(no_ops[0])}" if no_ops else ""
@@ -325,13 +335,13 @@ def stop_strings(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, .
     return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: {"role", "content"} with text content (text
     parts joined with newlines). Raises RequestError(400) for an empty list, an unknown role, or
     a non-text part."""
     if not req.messages:
         raise invalid("messages", "messages must hold at least one message")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(req.messages):
         if msg.role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"role must be one of {sorted(CHAT_ROLES)}, got {msg.role!r}")
@@ -345,7 +355,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                                   f'({{"type": "text", "text": ...}}) are supported, got type {part.type!r}')
                 texts.append(part.text)
             text = "\n".join(texts)
-        out.append({"role": "system" if msg.role == "developer" else msg.role, "content": text})
+        message: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": text}
+        if msg.tool_calls:
+            message["tool_calls"] = message_calls(msg.tool_calls)
+            if not text:  # a template that ignores tool_calls still shows the calls
+                message["content"] = json.dumps([{"name": c.function.name, "arguments": c.function.arguments}
+                                                 for c in msg.tool_calls])
+        if msg.tool_call_id is not None:
+            message["tool_call_id"] = msg.tool_call_id
+        out.append(message)
     return out
 
 
@@ -384,8 +402,9 @@ class Usage(Struct, kw_only=True):
 
 
 class AssistantMessage(Struct, kw_only=True):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class TopLogprob(Struct, kw_only=True):
@@ -434,6 +453,7 @@ class ChatCompletion(Struct, kw_only=True):
 class ChatDelta(Struct, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct, kw_only=True):

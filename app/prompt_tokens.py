@@ -10,6 +10,8 @@ of N bytes is at least N / that many tokens; one that cannot fit the context is 
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvfence.engine.chat_template import ChatTemplateError, render_chat
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.scheduler.errors import RequestError
@@ -60,11 +62,12 @@ class PromptEncoder:
         return max((nbytes(i) for i in range(tok.vocab_size)), default=1)
 
 
-def chat_text(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+def chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+              tools: list[dict[str, Any]] | None = None) -> str:
     """The chat as the model's template renders it (what chat completions and /tokenize encode);
     RequestError 400 (param "messages") when the template refuses it."""
     try:
         return render_chat(tokenizer.chat_template, messages, bos_token=tokenizer.special_token_text(tokenizer.bos_token_id),
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, tools=tools)
     except ChatTemplateError as e:
         raise RequestError(400, "invalid_messages", str(e), param="messages") from e

@@ -12,14 +12,16 @@ from typing import Any
 import msgspec
 
 from kvfence.app import openai_schemas as s
+from kvfence.app.tools import ToolCall, ToolCallDelta, ToolPlan, tool_calls
 from kvfence.app.logprobs_shape import CompletionLogprobsBuilder, TokenPieces, chat_logprobs
 from kvfence.engine.logprobs import TokenLogprobs
 
 
 class ResponseShape:
     def __init__(self, *, chat: bool, model: str, request_id: str, include_usage: bool, logprobs: bool,
-                 pieces: TokenPieces) -> None:
-        """`logprobs`: the request asked for them (each chunk's tokens come with theirs)."""
+                 pieces: TokenPieces, tools: ToolPlan | None = None) -> None:
+        """`logprobs`: the request asked for them (each chunk's tokens come with theirs); `tools`:
+        its output is tool calls (app/tools.py), answered as `tool_calls`."""
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
@@ -28,6 +30,7 @@ class ResponseShape:
         self.logprobs = logprobs
         self._pieces = pieces
         self._completion_logprobs = CompletionLogprobsBuilder(pieces)
+        self.tools = tools
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> s.ChatLogprobs | None:
         return chat_logprobs(self._pieces, token_ids, entries) if self.logprobs else None
@@ -58,9 +61,29 @@ class ResponseShape:
     def whole(self, text: str, finish_reason: str, usage: s.Usage, token_ids: list[int],
               logprobs: list[TokenLogprobs]) -> msgspec.Struct:
         if self.chat:
-            choice = s.ChatChoice(index=0, message=s.AssistantMessage(content=text), finish_reason=finish_reason,
+            calls = self._calls(text, finish_reason)
+            message = (s.AssistantMessage(content=text) if calls is None else
+                       s.AssistantMessage(content=None, tool_calls=calls))
+            choice = s.ChatChoice(index=0, message=message, finish_reason="tool_calls" if calls else finish_reason,
                                   logprobs=self._chat_logprobs(token_ids, logprobs))
             return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
         return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
                                 choices=[s.CompletionChoice(index=0, text=text, finish_reason=finish_reason,
                                                             logprobs=self._text_logprobs(token_ids, logprobs))])
+
+    def _calls(self, text: str, finish_reason: str) -> list[ToolCall] | None:
+        """The tool calls of a completed output (None: text, or a call cut short by max_tokens)."""
+        if self.tools is None or finish_reason != "stop":
+            return None
+        return tool_calls(self.tools, text)
+
+    def tool_chunk(self, text: str, finish_reason: str) -> tuple[msgspec.Struct, str]:
+        """The chunk that streams a tool-call request's output, and the finish reason to send:
+        its calls and "tool_calls", or (cut short) its text as content and `finish_reason`."""
+        calls = self._calls(text, finish_reason)
+        if calls is None:
+            return self.chunk(text, None), finish_reason
+        deltas = [ToolCallDelta(index=i, id=c.id, function=c.function) for i, c in enumerate(calls)]
+        choice = s.ChatChunkChoice(index=0, delta=s.ChatDelta(tool_calls=deltas))
+        return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
+                                     choices=[choice]), "tool_calls"

@@ -34,13 +34,14 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def render_chat(template: str | None, messages: list[dict[str, Any]], *, bos_token: str = "",
-                eos_token: str = "", add_generation_prompt: bool = True) -> str:
-    """Render `messages` (dicts with role and content) into the prompt text."""
+                eos_token: str = "", add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
+    """Render `messages` (dicts with role and content) into the prompt text; `tools` (OpenAI's
+    tool definitions) are given to templates that render them."""
     if not template:
         raise ChatTemplateError("this model has no chat template; use /v1/completions with a raw prompt")
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token)
+                                         bos_token=bos_token, eos_token=eos_token, tools=tools)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as e:

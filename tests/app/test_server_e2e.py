@@ -377,3 +377,43 @@ def test_structured_output_validates_whole_and_streamed(client: openai.OpenAI) -
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": 5}}})
     assert info.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
     assert "properties" in info.value.body["message"]  # type: ignore[index]
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "required": ["city"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone"], "additionalProperties": False,
+    "properties": {"zone": {"type": "string", "maxLength": 30}}}}}
+
+
+def test_tool_calls_parse_into_the_functions_schema(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,  # type: ignore[arg-type]
+                                       tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named)  # type: ignore[list-item]
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls  # type: ignore[misc]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, stream=True,  # type: ignore[arg-type]
+                                            tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named)  # type: ignore[list-item]
+    chunks = [c.choices[0] for c in stream if c.choices]
+    deltas = [tc for c in chunks if c.delta.tool_calls for tc in c.delta.tool_calls]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
+    assert chunks[-1].finish_reason == "tool_calls" and not any(c.delta.content for c in chunks)
+    required = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=0,  # type: ignore[arg-type]
+                                              tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")  # type: ignore[list-item]
+    calls = required.choices[0].message.tool_calls or []
+    assert required.choices[0].finish_reason == "tool_calls" and calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    answer = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=[  # type: ignore[arg-type]
+        *messages, {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}])
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, tools=[WEATHER_TOOL])  # type: ignore[arg-type, list-item]
+    assert info.value.body["param"] == "tool_choice" and "chat template" in info.value.body["message"]  # type: ignore[index]

@@ -126,7 +126,7 @@ def test_another_model_is_404_model_not_found(path: str, body: dict) -> None:
     (TOKENIZE, {"prompt": [1, 2]}, "prompt", "invalid_type"),
     (TOKENIZE, {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs", "invalid_type"),
     (TOKENIZE, {"messages": []}, "messages", "invalid_value"),
-    (TOKENIZE, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    (TOKENIZE, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
 ])
 def test_bad_input_is_400_naming_the_field(path: str, body: dict, param: str, code: str) -> None:
     status, out, _ = call(StubEngine(), path, {"model": MODEL, **body})
