@@ -236,7 +236,8 @@ MALFORMED = [
                 "kv_transfer_params": {"remote_host": "10.0.0.1"}}).encode(),
     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bootstrap_room": 7}).encode(),
     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                "response_format": {"type": "json_object"}}).encode(),
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}).encode(),
+    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(),
     json.dumps({"model": MODEL, "prompt": []}).encode(),
 ]
 

@@ -277,7 +277,17 @@ def test_a_growing_conversation_is_cached_every_turn_and_answers_as_a_cold_run(
         messages.append({"role": "assistant", "content": warm.choices[0].message.content or ""})
 
 
-# ---- logprobs and sampling controls (issue 15) ----------------------------------------------------
+# ---- logprobs, sampling controls, structured output and tools (issue 15) ---------------------------
+
+
+@pytest.fixture
+def api(server: ServerProcess, client: openai.OpenAI) -> openai.OpenAI:
+    """The client, in the two modes these features are tested in: they run where tokens are
+    sampled and never touch the KV transport, so disaggregated over tcp and colocated cover them
+    (nixl and mooncake move the same KV as tcp, tested above)."""
+    if server.mode not in ("tcp", "colocated"):  # type: ignore[attr-defined]
+        pytest.skip("sampling features are transport-independent: tested over tcp and colocated")
+    return client
 
 PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {"30": 4.0},
              "extra_body": {"repetition_penalty": 1.3, "ignore_eos": True}}
@@ -300,11 +310,11 @@ def offline(smollm2: Checkpoint, reference: dict) -> dict:
     return {"chat": chat, "completion": text, "logits": logits, "penalized_text": smollm2.tokenizer.decode(ids)}
 
 
-def test_chat_logprobs_are_the_models_log_softmax_whole_and_streamed(client: openai.OpenAI, offline: dict,
+def test_chat_logprobs_are_the_models_log_softmax_whole_and_streamed(api: openai.OpenAI, offline: dict,
                                                                        smollm2: Checkpoint) -> None:
     case = offline["chat"]
     kw = {**greedy(case), "max_tokens": 8, "messages": case["messages"], "logprobs": True, "top_logprobs": 5}
-    whole = client.chat.completions.create(**kw)
+    whole = api.chat.completions.create(**kw)
     content = whole.choices[0].logprobs.content
     lp = torch.log_softmax(offline["logits"][case["id"]].double(), -1)  # [8, V]
     assert len(content) == 8
@@ -315,18 +325,18 @@ def test_chat_logprobs_are_the_models_log_softmax_whole_and_streamed(client: ope
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(lp[i].topk(5).values.tolist(), abs=1e-4)
         assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely token
     assert b"".join(bytes(e.bytes) for e in content).decode() == whole.choices[0].message.content
-    streamed = [e for chunk in client.chat.completions.create(**kw, stream=True) for c in chunk.choices
+    streamed = [e for chunk in api.chat.completions.create(**kw, stream=True) for c in chunk.choices
                 if c.logprobs for e in c.logprobs.content]
     assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
-    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    plain = api.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
 
 
-def test_completion_logprobs_are_the_models_with_text_offsets(client: openai.OpenAI, offline: dict) -> None:
+def test_completion_logprobs_are_the_models_with_text_offsets(api: openai.OpenAI, offline: dict) -> None:
     case = offline["completion"]
     kw = {**greedy(case), "max_tokens": 8, "prompt": case["prompt"], "logprobs": 3}
-    whole = client.completions.create(**kw)
+    whole = api.completions.create(**kw)
     lp = torch.log_softmax(offline["logits"][case["id"]].double(), -1)
     got = whole.choices[0].logprobs
     assert "".join(got.tokens) == whole.choices[0].text
@@ -334,20 +344,20 @@ def test_completion_logprobs_are_the_models_with_text_offsets(client: openai.Ope
     assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(8)]
     assert all(len(top) <= 3 and max(top.values()) == pytest.approx(lp[i].max().item(), abs=1e-4)
                for i, top in enumerate(got.top_logprobs))
-    chunks = [c.logprobs for chunk in client.completions.create(**kw, stream=True) for c in chunk.choices if c.logprobs]
+    chunks = [c.logprobs for chunk in api.completions.create(**kw, stream=True) for c in chunk.choices if c.logprobs]
     assert sum((c.tokens for c in chunks), []) == got.tokens
     assert sum((c.text_offset for c in chunks), []) == got.text_offset
 
 
-def test_penalties_and_bias_equal_the_slow_reference_and_min_p_1_is_greedy(client: openai.OpenAI, offline: dict,
+def test_penalties_and_bias_equal_the_slow_reference_and_min_p_1_is_greedy(api: openai.OpenAI, offline: dict,
                                                                           reference: dict) -> None:
     case = offline["chat"]
-    r = client.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=0,
+    r = api.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=0,
                                        **PENALTIES)
     assert r.choices[0].message.content == offline["penalized_text"]
-    sampled = client.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=1.0,
+    sampled = api.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=1.0,
                                              seed=7, extra_body={"min_p": 1.0, "ignore_eos": True})
-    greedy_12 = client.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=0,
+    greedy_12 = api.chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=12, temperature=0,
                                                extra_body={"ignore_eos": True})
     assert greedy_12.choices[0].message.content.startswith(case["text_until_eos"][:16])
     assert sampled.choices[0].message.content == greedy_12.choices[0].message.content  # only the top token survives
@@ -358,22 +368,22 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "languages": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}}}
 
 
-def test_structured_output_validates_whole_and_streamed(client: openai.OpenAI) -> None:
+def test_structured_output_validates_whole_and_streamed(api: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Describe a famous scientist as JSON."}]
     schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
+    whole = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
                                            response_format=schema_format)  # type: ignore[arg-type]
     assert whole.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(whole.choices[0].message.content), PERSON)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+    streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=200, temperature=0, response_format=schema_format, stream=True)  # type: ignore[arg-type]
         if c.choices)
     assert streamed == whole.choices[0].message.content
-    anything = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=120,
+    anything = api.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=120,
                                          temperature=0.8, seed=3, extra_body={"response_format": {"type": "json_object"}})
     assert isinstance(json.loads(anything.choices[0].text), dict) and anything.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={  # type: ignore[arg-type]
+        api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={  # type: ignore[arg-type]
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": 5}}})
     assert info.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
     assert "properties" in info.value.body["message"]  # type: ignore[index]
@@ -387,33 +397,33 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
     "properties": {"zone": {"type": "string", "maxLength": 30}}}}}
 
 
-def test_tool_calls_parse_into_the_functions_schema(client: openai.OpenAI) -> None:
+def test_tool_calls_parse_into_the_functions_schema(api: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,  # type: ignore[arg-type]
+    r = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,  # type: ignore[arg-type]
                                        tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named)  # type: ignore[list-item]
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls  # type: ignore[misc]
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, stream=True,  # type: ignore[arg-type]
+    stream = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, stream=True,  # type: ignore[arg-type]
                                             tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named)  # type: ignore[list-item]
     chunks = [c.choices[0] for c in stream if c.choices]
     deltas = [tc for c in chunks if c.delta.tool_calls for tc in c.delta.tool_calls]
     assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
     assert chunks[-1].finish_reason == "tool_calls" and not any(c.delta.content for c in chunks)
-    required = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=0,  # type: ignore[arg-type]
+    required = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=0,  # type: ignore[arg-type]
                                               tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")  # type: ignore[list-item]
     calls = required.choices[0].message.tool_calls or []
     assert required.choices[0].finish_reason == "tool_calls" and calls
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
     for c in calls:
         jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
-    answer = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=[  # type: ignore[arg-type]
+    answer = api.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=[  # type: ignore[arg-type]
         *messages, {"role": "assistant", "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}])
     assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, tools=[WEATHER_TOOL])  # type: ignore[arg-type, list-item]
+        api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, tools=[WEATHER_TOOL])  # type: ignore[arg-type, list-item]
     assert info.value.body["param"] == "tool_choice" and "chat template" in info.value.body["message"]  # type: ignore[index]
