@@ -39,6 +39,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvfence.app import openai_responses as r
 from kvfence.app import openai_schemas as s
 from kvfence.app.api_keys import ApiKeys
 from kvfence.app.client_id import EchoRequestId, client_request_id
@@ -134,11 +135,11 @@ class _GenerationResponse(Response):
                         error.message)
         return error
 
-    def _usage(self, completion_tokens: int, cached_tokens: int) -> s.Usage:
+    def _usage(self, completion_tokens: int, cached_tokens: int) -> r.Usage:
         prompt = len(self.prep.prompt_ids)
-        return s.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
+        return r.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
                        total_tokens=prompt + completion_tokens,
-                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached_tokens))
+                       prompt_tokens_details=r.PromptTokensDetails(cached_tokens=cached_tokens))
 
     async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
         texts: list[str] = []
@@ -347,7 +348,7 @@ class _Api:
     async def models(self, request: Request) -> Response:
         if self.keys.tenant(request.headers.get("authorization")) is None:
             return self._unauthorized("a valid API key")
-        return self.json(s.ModelList(data=[self.model_card()]))
+        return self.json(r.ModelList(data=[self.model_card()]))
 
     async def health(self, request: Request) -> Response:
         return self.json({"status": "ok"})
@@ -372,8 +373,8 @@ class _Api:
             return self._unauthorized("the admin key")
         return self.json({"flushed": True, "pages_freed": self.engine.flush_cache()})  # the core logs it
 
-    def model_card(self) -> s.ModelCard:
-        return s.ModelCard(id=self.engine.model_name, created=self.created,
+    def model_card(self) -> r.ModelCard:
+        return r.ModelCard(id=self.engine.model_name, created=self.created,
                            max_model_len=self.engine.max_context_tokens)
 
     async def model(self, request: Request) -> Response:

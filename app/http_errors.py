@@ -15,7 +15,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvfence.app.openai_schemas import ErrorBody, ErrorEnvelope, invalid
+from kvfence.app.openai_responses import ErrorBody, ErrorEnvelope
+from kvfence.app.openai_schemas import invalid
 from kvfence.scheduler.errors import RequestError
 
 # msgspec ValidationError messages end with " - at `$.path`" when the error is below the root.

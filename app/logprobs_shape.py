@@ -10,7 +10,7 @@ token of probability 0 still encodes as JSON.
 
 from __future__ import annotations
 
-from kvfence.app import openai_schemas as s
+from kvfence.app import openai_responses as r
 from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.tokenizer import Tokenizer
 
@@ -36,14 +36,14 @@ def _clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def chat_logprobs(pieces: TokenPieces, token_ids: list[int], entries: list[TokenLogprobs]) -> s.ChatLogprobs:
+def chat_logprobs(pieces: TokenPieces, token_ids: list[int], entries: list[TokenLogprobs]) -> r.ChatLogprobs:
     content = []
     for token, entry in zip(token_ids, entries):
         text, raw = pieces(token)
-        top = [s.TopLogprob(token=pieces(t)[0], logprob=_clamp(lp), bytes=pieces(t)[1])
+        top = [r.TopLogprob(token=pieces(t)[0], logprob=_clamp(lp), bytes=pieces(t)[1])
                for t, lp in zip(entry.top_ids, entry.top_logprobs)]
-        content.append(s.ChatTokenLogprob(token=text, logprob=_clamp(entry.logprob), bytes=raw, top_logprobs=top))
-    return s.ChatLogprobs(content=content)
+        content.append(r.ChatTokenLogprob(token=text, logprob=_clamp(entry.logprob), bytes=raw, top_logprobs=top))
+    return r.ChatLogprobs(content=content)
 
 
 class CompletionLogprobsBuilder:
@@ -53,8 +53,8 @@ class CompletionLogprobsBuilder:
         self._pieces = pieces
         self._offset = 0
 
-    def __call__(self, token_ids: list[int], entries: list[TokenLogprobs]) -> s.CompletionLogprobs:
-        out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    def __call__(self, token_ids: list[int], entries: list[TokenLogprobs]) -> r.CompletionLogprobs:
+        out = r.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token, entry in zip(token_ids, entries):
             text = self._pieces(token)[0]
             out.tokens.append(text)

@@ -10,7 +10,7 @@ the output (`metadata`, `service_tier`, ...). `check_common` raises `RequestErro
 naming the field) for every value the server does not support or that is out of its bounds; it
 never changes the request.
 
-Responses: `UNSET` fields are left out of the JSON (msgspec omits them).
+The responses are in app/openai_responses.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from msgspec import UNSET, Struct, UnsetType
+from msgspec import UNSET, Struct
 
-from kvfence.app.tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta, message_calls
+from kvfence.app.tools import NamedToolChoice, Tool, ToolCall, message_calls
 from kvfence.engine.grammar import check_grammar, grammar_spec
 from kvfence.scheduler.errors import RequestError
 
@@ -384,131 +384,3 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         return items[0]
     raise invalid("prompt", "prompt must be a string, a list of token ids (ints), or a list holding one "
                             "string; batched token-id prompts are not supported", "invalid_type")
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses.
-
-
-class PromptTokensDetails(Struct, kw_only=True):
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-class Usage(Struct, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class AssistantMessage(Struct, kw_only=True):
-    content: str | None
-    role: str = "assistant"
-    tool_calls: list[ToolCall] | UnsetType = UNSET
-
-
-class TopLogprob(Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(Struct, kw_only=True):
-    content: list[ChatTokenLogprob] | None
-    refusal: None = None
-
-
-class CompletionLogprobs(Struct, kw_only=True):
-    """The legacy completions shape: parallel lists, one entry per token."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class ChatChoice(Struct, kw_only=True):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletion(Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    object: str = "chat.completion"
-
-
-class ChatDelta(Struct, kw_only=True):
-    role: str | UnsetType = UNSET
-    content: str | UnsetType = UNSET
-    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
-
-
-class ChatChunkChoice(Struct, kw_only=True):
-    index: int
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None | UnsetType = UNSET  # null on every chunk when include_usage, else absent
-    object: str = "chat.completion.chunk"
-
-
-class CompletionChoice(Struct, kw_only=True):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: CompletionLogprobs | None = None
-
-
-class TextCompletion(Struct, kw_only=True):
-    """Both the non-stream body and each stream chunk (OpenAI uses one object type for both)."""
-
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None | UnsetType = UNSET
-    object: str = "text_completion"
-
-
-class ModelCard(Struct, kw_only=True):
-    id: str
-    created: int
-    max_model_len: int
-    object: str = "model"
-    owned_by: str = "kvfence"
-
-
-class ModelList(Struct, kw_only=True):
-    data: list[ModelCard]
-    object: str = "list"
-
-
-class ErrorBody(Struct, kw_only=True):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorEnvelope(Struct, kw_only=True):
-    error: ErrorBody

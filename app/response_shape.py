@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from kvfence.app import openai_schemas as s
+from kvfence.app import openai_responses as r
 from kvfence.app.tools import ToolCall, ToolCallDelta, ToolPlan, tool_calls
 from kvfence.app.logprobs_shape import CompletionLogprobsBuilder, TokenPieces, chat_logprobs
 from kvfence.engine.logprobs import TokenLogprobs
@@ -32,10 +32,10 @@ class ResponseShape:
         self._completion_logprobs = CompletionLogprobsBuilder(pieces)
         self.tools = tools
 
-    def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> s.ChatLogprobs | None:
+    def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> r.ChatLogprobs | None:
         return chat_logprobs(self._pieces, token_ids, entries) if self.logprobs else None
 
-    def _text_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> s.CompletionLogprobs | None:
+    def _text_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> r.CompletionLogprobs | None:
         return self._completion_logprobs(token_ids, entries) if self.logprobs else None
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False, token_ids: list[int] = [],
@@ -43,32 +43,32 @@ class ResponseShape:
         """One stream chunk: `text` (None: no content field) of `token_ids`, whose `logprobs` it
         carries when asked for (a chunk without tokens carries none)."""
         if self.chat:
-            delta = s.ChatDelta(role="assistant" if role else msgspec.UNSET,
+            delta = r.ChatDelta(role="assistant" if role else msgspec.UNSET,
                                 content=msgspec.UNSET if text is None else text)
-            choice = s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason,
+            choice = r.ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason,
                                        logprobs=self._chat_logprobs(token_ids, logprobs) if token_ids else None)
-            return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
+            return r.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
                                          choices=[choice])
-        choice = s.CompletionChoice(index=0, text=text or "", finish_reason=finish_reason,
+        choice = r.CompletionChoice(index=0, text=text or "", finish_reason=finish_reason,
                                     logprobs=self._text_logprobs(token_ids, logprobs) if token_ids else None)
-        return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
+        return r.TextCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
                                 choices=[choice])
 
-    def usage_chunk(self, usage: s.Usage) -> msgspec.Struct:
-        kind = s.ChatCompletionChunk if self.chat else s.TextCompletion
+    def usage_chunk(self, usage: r.Usage) -> msgspec.Struct:
+        kind = r.ChatCompletionChunk if self.chat else r.TextCompletion
         return kind(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
-    def whole(self, text: str, finish_reason: str, usage: s.Usage, token_ids: list[int],
+    def whole(self, text: str, finish_reason: str, usage: r.Usage, token_ids: list[int],
               logprobs: list[TokenLogprobs]) -> msgspec.Struct:
         if self.chat:
             calls = self._calls(text, finish_reason)
-            message = (s.AssistantMessage(content=text) if calls is None else
-                       s.AssistantMessage(content=None, tool_calls=calls))
-            choice = s.ChatChoice(index=0, message=message, finish_reason="tool_calls" if calls else finish_reason,
+            message = (r.AssistantMessage(content=text) if calls is None else
+                       r.AssistantMessage(content=None, tool_calls=calls))
+            choice = r.ChatChoice(index=0, message=message, finish_reason="tool_calls" if calls else finish_reason,
                                   logprobs=self._chat_logprobs(token_ids, logprobs))
-            return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
-        return s.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
-                                choices=[s.CompletionChoice(index=0, text=text, finish_reason=finish_reason,
+            return r.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
+        return r.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
+                                choices=[r.CompletionChoice(index=0, text=text, finish_reason=finish_reason,
                                                             logprobs=self._text_logprobs(token_ids, logprobs))])
 
     def _calls(self, text: str, finish_reason: str) -> list[ToolCall] | None:
@@ -84,6 +84,6 @@ class ResponseShape:
         if calls is None:
             return self.chunk(text, None), finish_reason
         deltas = [ToolCallDelta(index=i, id=c.id, function=c.function) for i, c in enumerate(calls)]
-        choice = s.ChatChunkChoice(index=0, delta=s.ChatDelta(tool_calls=deltas))
-        return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
+        choice = r.ChatChunkChoice(index=0, delta=r.ChatDelta(tool_calls=deltas))
+        return r.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
                                      choices=[choice]), "tool_calls"

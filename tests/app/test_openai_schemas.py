@@ -7,6 +7,7 @@ import json
 import msgspec
 import pytest
 
+from kvfence.app import openai_responses as r
 from kvfence.app import openai_schemas as s
 from kvfence.app.http_errors import decode_body, error_envelope, from_validation_error
 from kvfence.scheduler.errors import RequestError
@@ -244,22 +245,22 @@ def test_validation_error_mapping_handles_messages_without_a_path() -> None:
 
 def test_response_encoding_omits_unset_and_keeps_null_usage() -> None:
     enc = msgspec.json.Encoder()
-    role = s.ChatCompletionChunk(id="chatcmpl-1", created=1, model="m",
-                                 choices=[s.ChatChunkChoice(index=0, delta=s.ChatDelta(role="assistant", content=""))])
+    role = r.ChatCompletionChunk(id="chatcmpl-1", created=1, model="m",
+                                 choices=[r.ChatChunkChoice(index=0, delta=r.ChatDelta(role="assistant", content=""))])
     assert json.loads(enc.encode(role)) == {
         "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                      "logprobs": None}]}
-    final = s.ChatCompletionChunk(id="c", created=1, model="m", usage=None,
-                                  choices=[s.ChatChunkChoice(index=0, delta=s.ChatDelta(), finish_reason="stop")])
+    final = r.ChatCompletionChunk(id="c", created=1, model="m", usage=None,
+                                  choices=[r.ChatChunkChoice(index=0, delta=r.ChatDelta(), finish_reason="stop")])
     decoded = json.loads(enc.encode(final))
     assert decoded["choices"][0]["delta"] == {} and decoded["usage"] is None
-    usage = s.Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
-    body = json.loads(enc.encode(s.TextCompletion(id="cmpl-1", created=1, model="m", usage=usage, choices=[
-        s.CompletionChoice(index=0, text="hi", finish_reason="length")])))
+    usage = r.Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    body = json.loads(enc.encode(r.TextCompletion(id="cmpl-1", created=1, model="m", usage=usage, choices=[
+        r.CompletionChoice(index=0, text="hi", finish_reason="length")])))
     assert body["object"] == "text_completion" and body["usage"]["total_tokens"] == 5
-    whole = json.loads(enc.encode(s.ChatCompletion(id="c", created=1, model="m", usage=usage, choices=[
-        s.ChatChoice(index=0, message=s.AssistantMessage(content="hey"), finish_reason="stop")])))
+    whole = json.loads(enc.encode(r.ChatCompletion(id="c", created=1, model="m", usage=usage, choices=[
+        r.ChatChoice(index=0, message=r.AssistantMessage(content="hey"), finish_reason="stop")])))
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"] == {"content": "hey", "role": "assistant"}
 
