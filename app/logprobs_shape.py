@@ -40,8 +40,8 @@ def chat_logprobs(pieces: TokenPieces, token_ids: list[int], entries: list[Token
     content = []
     for token, entry in zip(token_ids, entries):
         text, raw = pieces(token)
-        top = [r.TopLogprob(token=pieces(t)[0], logprob=_clamp(lp), bytes=pieces(t)[1])
-               for t, lp in zip(entry.top_ids, entry.top_logprobs)]
+        top = [r.TopLogprob(token=top_text, logprob=_clamp(lp), bytes=top_raw)
+               for (top_text, top_raw), lp in zip(map(pieces, entry.top_ids), entry.top_logprobs)]
         content.append(r.ChatTokenLogprob(token=text, logprob=_clamp(entry.logprob), bytes=raw, top_logprobs=top))
     return r.ChatLogprobs(content=content)
 
