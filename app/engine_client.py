@@ -19,12 +19,14 @@ class EngineClient(Protocol):
         """The longest prompt + max_tokens any request may have (advertised in /v1/models)."""
         ...
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant,
-               cache_salt: str = "") -> RequestHandle:
-        """Admit a request of the authenticated `tenant` or raise `AdmissionRejected` (400 / 429 /
-        503, nothing reserved). `cache_salt` (from the body) only partitions the tenant's prefix cache.
+    def submit_samples(self, prompt_token_ids: list[int], samples: list[SamplingParams], tenant: Tenant,
+                       cache_salt: str = "") -> list[RequestHandle]:
+        """Admit the samples of one request of the authenticated `tenant` (one for `n` = 1; they
+        differ only in their seeds), one handle each, or raise `AdmissionRejected` for all (400 /
+        429 / 503, nothing reserved). `cache_salt` (from the body) only partitions the tenant's
+        prefix cache.
 
-        `sampling.max_tokens` is always set by the caller (the API fills the default)."""
+        `max_tokens` is always set by the caller (the API fills the default)."""
         ...
 
     def flush_cache(self) -> dict[str, int]:

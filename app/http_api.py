@@ -2,13 +2,10 @@
 
 Contracts:
 - Every refusal (bad body, unknown model, context too long, admission rejected) is an OpenAI error
-  envelope with a 4xx/5xx status, returned before any stream starts; `engine.submit` is only called
+  envelope with a 4xx/5xx status, returned before any stream starts; `engine.submit_samples` is only called
   for a request that passed every check here.
-- A request that fails after admission never reports success: non-stream answers with the error's
-  status, a stream sends one `data: {"error": ...}` event and ends without a finish_reason or [DONE].
-- When the client goes away before the request's terminal delta (stream or not), the request's
-  handle is aborted; so is it when the response is cancelled for any other reason, and when the
-  client has read nothing for `stall_timeout_s` seconds (`app/stall.py`).
+- An admitted request is answered by `app/generation_response.py` (its samples, streamed or
+  whole, failures after admission, aborts when the client goes or stalls).
 - Input limits: a body over `max_body_bytes` gets 413 before it is read past the limit
   (`app/request_body.py`); a body over `INLINE_BODY_BYTES` is decoded, rendered and tokenized in
   a worker thread, never on the event loop; a text prompt so long that it cannot fit the context
@@ -22,8 +19,6 @@ Contracts:
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -37,34 +32,26 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from kvfence.app import openai_responses as r
 from kvfence.app import openai_schemas as s
 from kvfence.app.api_keys import ApiKeys
 from kvfence.app.client_id import EchoRequestId, client_request_id
 from kvfence.app.engine_client import EngineClient
-from kvfence.app.http_errors import (context_too_long, decode_body, error_envelope, error_response, for_client,
-                                     from_sampling_error, http_exception_handler, internal_error,
-                                     model_not_found, server_error_handler)
+from kvfence.app.generation_response import GenerationResponse, Prepared
+from kvfence.app.http_errors import (context_too_long, decode_body, error_response, from_sampling_error,
+                                     http_exception_handler, model_not_found, server_error_handler)
 from kvfence.app.prompt_tokens import PromptEncoder, chat_text
 from kvfence.app.request_body import BodyTooLarge, RefusedBody, read_body
-from kvfence.app.stall import SendWatch
 from kvfence.app.logprobs_shape import TokenPieces
-from kvfence.app.response_shape import ResponseShape
 from kvfence.app.token_routes import TokenRoutes
 from kvfence.app.tools import ToolPlan, plan_tools
-from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.errors import RequestError
-from kvfence.scheduler.handle import RequestHandle
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no"))
-_DONE = b"data: [DONE]\n\n"
 _NOT_READY_RETRY_AFTER_S = 1
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_STALL_TIMEOUT_S = 30.0
@@ -74,137 +61,6 @@ DEFAULT_STALL_TIMEOUT_S = 30.0
 # prompt can only be as long as its body.
 INLINE_BODY_BYTES = 64 << 10
 LONG_INPUT_THREADS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prepared:
-    """A request that passed every check: what to submit and how to answer."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    chat: bool
-    stream: bool
-    include_usage: bool
-    model: str
-    user: str | None = None  # the client's `user` field: logged, never used
-    cache_salt: str = ""  # partitions the tenant's prefix cache; never chooses a tenant
-    tools: ToolPlan | None = None  # the output is tool calls (app/tools.py)
-
-
-class _GenerationResponse(Response):
-    """ASGI response for one admitted request (stream or not). A task watches `receive` for
-    http.disconnect and cancels the response, another (`SendWatch`) cancels it once a send has
-    been pending for `stall_timeout_s`; the handle is aborted in `finally` unless its terminal
-    delta was seen (abort is idempotent)."""
-
-    def __init__(self, handle: RequestHandle, prep: _Prepared, encoder: msgspec.json.Encoder,
-                 stall_timeout_s: float, pieces: TokenPieces) -> None:
-        self.handle, self.prep, self.encoder = handle, prep, encoder
-        self.stall_timeout_s = stall_timeout_s
-        self.shape = ResponseShape(chat=prep.chat, model=prep.model, request_id=handle.request_id,
-                                   include_usage=prep.include_usage, logprobs=prep.sampling.logprobs is not None,
-                                   pieces=pieces, tools=prep.tools)
-        self.status_code, self.background, self.raw_headers = 200, None, list(_SSE_HEADERS if prep.stream else ())
-        self.finished = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = SendWatch(send, self.stall_timeout_s)
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-                tg.start_soon(watch.watch, tg.cancel_scope)
-                if self.prep.stream:
-                    await self._stream(watch.send)
-                else:
-                    await self._whole(scope, receive, watch.send)
-                tg.cancel_scope.cancel()
-        except OSError:
-            pass  # ASGI >= 2.4 servers raise from send() once the client is gone
-        finally:
-            if watch.stalled:
-                log.warning("request %s: the client read nothing for %g s; %s", self.handle.request_id,
-                            self.stall_timeout_s, "the response was dropped" if self.finished else "aborting it")
-            if not self.finished:
-                self.handle.abort()
-
-    def _failed(self, error: RequestError) -> RequestError:
-        """The terminal error; logged with its detail when the client gets other wording."""
-        self.finished = True
-        if for_client(error) is not error:
-            log.warning("request %s failed (%d %s): %s", self.handle.request_id, error.status, error.code,
-                        error.message)
-        return error
-
-    def _usage(self, completion_tokens: int, cached_tokens: int) -> r.Usage:
-        prompt = len(self.prep.prompt_ids)
-        return r.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
-                       total_tokens=prompt + completion_tokens,
-                       prompt_tokens_details=r.PromptTokensDetails(cached_tokens=cached_tokens))
-
-    async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
-        texts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprobs] = []
-        response: Response = error_response(internal_error("the request ended without a result"), self.encoder)
-        async with contextlib.aclosing(self.handle.deltas()) as deltas:
-            async for delta in deltas:
-                if delta.error is not None:
-                    response = error_response(self._failed(delta.error), self.encoder)
-                    break
-                texts.append(delta.text)
-                token_ids += delta.token_ids
-                logprobs += delta.logprobs
-                if delta.finish_reason is not None:
-                    self.finished = True
-                    body = self.shape.whole("".join(texts), delta.finish_reason,
-                                            self._usage(len(token_ids), delta.cached_tokens), token_ids, logprobs)
-                    response = Response(self.encoder.encode(body), media_type="application/json")
-                    break
-        await response(scope, receive, send)
-
-    async def _stream(self, send: Send) -> None:
-        async def event(obj: msgspec.Struct) -> None:
-            data = b"data: " + self.encoder.encode(obj) + b"\n\n"
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        if self.shape.chat:
-            await event(self.shape.chunk("", None, role=True))
-        completion_tokens = 0
-        call_text: list[str] = []  # tool calls are sent whole, once the grammar completed them
-        failure: RequestError = internal_error("the request ended without a result")
-        async with contextlib.aclosing(self.handle.deltas()) as deltas:
-            async for delta in deltas:
-                if delta.error is not None:
-                    failure = self._failed(delta.error)
-                    break
-                completion_tokens += len(delta.token_ids)
-                carries_logprobs = self.shape.logprobs and delta.token_ids
-                if self.shape.tools is not None:
-                    call_text.append(delta.text)
-                elif delta.text or carries_logprobs or (delta.finish_reason is not None and not self.shape.chat):
-                    await event(self.shape.chunk(delta.text, None if self.shape.chat else delta.finish_reason,
-                                                 token_ids=delta.token_ids, logprobs=delta.logprobs))
-                if delta.finish_reason is not None:
-                    self.finished = True
-                    reason = delta.finish_reason
-                    if self.shape.tools is not None:
-                        calls, reason = self.shape.tool_chunk("".join(call_text), reason)
-                        await event(calls)
-                    if self.shape.chat:
-                        await event(self.shape.chunk(None, reason))
-                    if self.prep.include_usage:
-                        await event(self.shape.usage_chunk(self._usage(completion_tokens, delta.cached_tokens)))
-                    await send({"type": "http.response.body", "body": _DONE, "more_body": False})
-                    return
-        await event(error_envelope(failure))
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
 
 
 class _Api:
@@ -243,12 +99,13 @@ class _Api:
             return self._unauthorized("a valid API key")
         try:
             prep = await self._from_body(request, lambda body: self._prepare(body, chat))
-            handle = self.engine.submit(prep.prompt_ids, prep.sampling, tenant, prep.cache_salt)
-            log.info("request %s admitted: tenant %s, %d prompt tokens, client request id %r, user %r",
-                     handle.request_id, tenant.name, len(prep.prompt_ids), client_request_id(request), prep.user)
+            handles = self.engine.submit_samples(prep.prompt_ids, prep.samples(), tenant, prep.cache_salt)
+            log.info("request %s admitted: tenant %s, %d prompt tokens, %d samples, client request id %r, user %r",
+                     handles[0].request_id, tenant.name, len(prep.prompt_ids), len(handles),
+                     client_request_id(request), prep.user)
         except (RefusedBody, ClientDisconnect, RequestError) as refused:
             return self._refusal(refused)
-        return _GenerationResponse(handle, prep, self.encoder, self.stall_timeout_s, self.pieces)
+        return GenerationResponse(handles, prep, self.encoder, self.stall_timeout_s, self.pieces)
 
     async def _from_body(self, request: Request, work: Callable[[bytes], _T]) -> _T:
         """`work(body)`: on the event loop up to INLINE_BODY_BYTES, else in a worker thread (at most
@@ -267,7 +124,7 @@ class _Api:
             return Response(status_code=499)  # nobody is left to read it
         return error_response(refused, self.encoder)
 
-    def _prepare(self, body: bytes, chat: bool) -> _Prepared:
+    def _prepare(self, body: bytes, chat: bool) -> Prepared:
         """Everything between the body and `submit` (synchronous: runs on the loop or in a thread)."""
         if chat:
             return self._prepare_chat(decode_body(self.chat_decoder, body))
@@ -278,7 +135,7 @@ class _Api:
         if req.model != self.engine.model_name:
             raise model_not_found(req.model, self.engine.model_name)
 
-    def _prepare_chat(self, req: s.ChatCompletionRequest) -> _Prepared:
+    def _prepare_chat(self, req: s.ChatCompletionRequest) -> Prepared:
         self._check(req)
         tok = self.engine.tokenizer
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tok.chat_template)
@@ -291,7 +148,7 @@ class _Api:
                                   max_context_tokens=self.engine.max_context_tokens)
         return self._finish(req, ids, chat=True, where="messages", tools=plan)
 
-    def _prepare_completion(self, req: s.CompletionRequest) -> _Prepared:
+    def _prepare_completion(self, req: s.CompletionRequest) -> Prepared:
         self._check(req)
         prompt = s.completion_prompt(req)
         if isinstance(prompt, str):
@@ -302,10 +159,11 @@ class _Api:
         return self._finish(req, ids, chat=False, where="prompt")
 
     def _finish(self, req: s.ChatCompletionRequest | s.CompletionRequest, ids: list[int], *, chat: bool,
-                where: str, tools: ToolPlan | None = None) -> _Prepared:
+                where: str, tools: ToolPlan | None = None) -> Prepared:
         if not ids:
             raise s.invalid(where, f"the {where} must not be empty (it encodes to no tokens)")
         max_tokens, max_param = s.requested_max_tokens(req)
+        n, best_of = s.sample_counts(req)
         limit = self.engine.max_context_tokens
         too_long = context_too_long(limit, len(ids), max_tokens, prompt_param=where, max_tokens_param=max_param,
                                     where=where)
@@ -334,9 +192,9 @@ class _Api:
         except ValueError as e:
             raise from_sampling_error(e, max_param) from e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Prepared(prompt_ids=ids, sampling=sampling, chat=chat, stream=bool(req.stream),
+        return Prepared(prompt_ids=ids, sampling=sampling, chat=chat, stream=bool(req.stream),
                          include_usage=include_usage, model=self.engine.model_name, user=req.user,
-                         cache_salt=req.cache_salt or "", tools=tools)
+                         cache_salt=req.cache_salt or "", tools=tools, n=n, best_of=best_of)
 
     def _unauthorized(self, needs: str) -> Response:
         err = RequestError(401, "invalid_api_key", f"this route needs {needs}: send it as 'Authorization: Bearer "

@@ -3,8 +3,8 @@
 Requests: the transfer / routing fields in `FORBIDDEN_FIELDS` are refused whatever their value:
 nothing in a body may choose a peer, a KV page or a transport, so a body that carries any of them
 (at the top level or inside `extra_body`) is refused. The OpenAI and vLLM fields kvfence does not
-implement (`UNSUPPORTED_FIELDS`: tools, n > 1, echo, ...) are refused
-unless they hold a value that changes nothing (null, or their documented default, e.g. `n: 1`),
+implement (`UNSUPPORTED_FIELDS`: echo, suffix, chat's best_of, ...) are refused
+unless they hold a value that changes nothing (null, or their documented default, e.g. `echo: false`),
 never silently ignored. Other unknown fields are ignored: clients send extras that do not change
 the output (`metadata`, `service_tier`, ...). `check_common` raises `RequestError` (400, `param`
 naming the field) for every value the server does not support or that is out of its bounds; it
@@ -33,7 +33,7 @@ MAX_CACHE_SALT_CHARS = 256
 # has the same type (so completions' `logprobs: 0`, which asks for logprobs, is not `false`).
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     # OpenAI
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),  # no tools can be given, so either value changes nothing
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
@@ -56,9 +56,11 @@ MAX_TEMPERATURE = 2.0
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; completions' too here (vLLM's default)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, as vLLM takes it
+MAX_SAMPLES = 128  # `n`: OpenAI's bound
 # Chat roles the server renders; "developer" (OpenAI's newer name for system) is rendered as system.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 CHAT_TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})  # refused on completions only
+COMPLETION_ONLY_FIELDS = frozenset({"best_of"})  # refused on chat only
 
 
 def invalid(param: str | None, message: str, code: str = "invalid_value") -> RequestError:
@@ -190,6 +192,7 @@ class ChatCompletionRequest(_RequestBase, kw_only=True):
 class CompletionRequest(_RequestBase, kw_only=True):
     prompt: str | list[Any]
     logprobs: int | bool | None = None
+    best_of: int | None = None  # sample_counts
 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -202,6 +205,8 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     for field, no_ops in UNSUPPORTED_FIELDS.items():
         if field in CHAT_TOOL_FIELDS and isinstance(req, ChatCompletionRequest):
             continue  # chat takes them (app/tools.py)
+        if field in COMPLETION_ONLY_FIELDS and isinstance(req, CompletionRequest):
+            continue  # sample_counts
         value = getattr(req, field)
         if value is not UNSET and value is not None and not any(_same(value, v) for v in no_ops):
             default = f" or send {_show(no_ops[0])}" if no_ops else ""
@@ -254,9 +259,27 @@ def _check_bounds(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise invalid("seed", f"seed must be a 64-bit signed integer, got {req.seed}")
     if req.max_tokens is not None and req.max_tokens < 1:
         raise invalid("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
+    sample_counts(req)  # raises for a bad combination
     if req.logit_bias is not None and len(req.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise invalid("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(req.logit_bias)}")
     logprobs_requested(req)  # raises for a bad combination
+
+
+def sample_counts(req: ChatCompletionRequest | CompletionRequest) -> tuple[int, int]:
+    """(n, best_of): the choices to return and the samples to draw (completions' `best_of`, at
+    least n: the n with the highest sum of token log-probabilities are returned). Raises
+    RequestError(400) naming the field: n or best_of outside [1, MAX_SAMPLES], best_of < n, or
+    best_of > n with `stream` (the best are known only at the end, as OpenAI rules)."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_SAMPLES:
+        raise invalid("n", f"n must be between 1 and {MAX_SAMPLES}, got {n}")
+    best_of = req.best_of if isinstance(req, CompletionRequest) and req.best_of is not None else n
+    if not n <= best_of <= MAX_SAMPLES:
+        raise invalid("best_of", f"best_of must be between n ({n}) and {MAX_SAMPLES}, got {best_of}")
+    if best_of > n and req.stream:
+        raise invalid("best_of", "best_of > n cannot stream: the best samples are known only once all have "
+                                 "ended; set stream to false, or best_of to n", "unsupported_value")
+    return n, best_of
 
 
 def logprobs_requested(req: ChatCompletionRequest | CompletionRequest) -> int | None:

@@ -1,7 +1,9 @@
 """The response bodies and stream chunks of one chat or text completion (OpenAI's shapes).
 
-A request that asked for logprobs gets them on every chunk that carries tokens and on the whole
-body (app/logprobs_shape.py); one that did not gets `logprobs: null`, as OpenAI sends it.
+A request with `n` > 1 has one choice per sample, each with its `index`; chunks of different
+choices interleave in a stream, each naming its choice. A request that asked for logprobs gets
+them on every chunk that carries tokens and on the whole body (app/logprobs_shape.py); one that
+did not gets `logprobs: null`, as OpenAI sends it.
 """
 
 from __future__ import annotations
@@ -29,28 +31,34 @@ class ResponseShape:
         self.usage_field: Any = None if include_usage else msgspec.UNSET
         self.logprobs = logprobs
         self._pieces = pieces
-        self._completion_logprobs = CompletionLogprobsBuilder(pieces)
+        self._completion_logprobs: dict[int, CompletionLogprobsBuilder] = {}  # per choice: offsets run on
         self.tools = tools
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> r.ChatLogprobs | None:
         return chat_logprobs(self._pieces, token_ids, entries) if self.logprobs else None
 
-    def _text_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> r.CompletionLogprobs | None:
-        return self._completion_logprobs(token_ids, entries) if self.logprobs else None
+    def _text_logprobs(self, index: int, token_ids: list[int],
+                       entries: list[TokenLogprobs]) -> r.CompletionLogprobs | None:
+        if not self.logprobs:
+            return None
+        builder = self._completion_logprobs.get(index)
+        if builder is None:
+            builder = self._completion_logprobs[index] = CompletionLogprobsBuilder(self._pieces)
+        return builder(token_ids, entries)
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False, token_ids: list[int] = [],
-              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct:
-        """One stream chunk: `text` (None: no content field) of `token_ids`, whose `logprobs` it
-        carries when asked for (a chunk without tokens carries none)."""
+              logprobs: list[TokenLogprobs] = [], index: int = 0) -> msgspec.Struct:
+        """One stream chunk of choice `index`: `text` (None: no content field) of `token_ids`,
+        whose `logprobs` it carries when asked for (a chunk without tokens carries none)."""
         if self.chat:
             delta = r.ChatDelta(role="assistant" if role else msgspec.UNSET,
                                 content=msgspec.UNSET if text is None else text)
-            choice = r.ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason,
+            choice = r.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
                                        logprobs=self._chat_logprobs(token_ids, logprobs) if token_ids else None)
             return r.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
                                          choices=[choice])
-        choice = r.CompletionChoice(index=0, text=text or "", finish_reason=finish_reason,
-                                    logprobs=self._text_logprobs(token_ids, logprobs) if token_ids else None)
+        choice = r.CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
+                                    logprobs=self._text_logprobs(index, token_ids, logprobs) if token_ids else None)
         return r.TextCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
                                 choices=[choice])
 
@@ -58,18 +66,23 @@ class ResponseShape:
         kind = r.ChatCompletionChunk if self.chat else r.TextCompletion
         return kind(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
-    def whole(self, text: str, finish_reason: str, usage: r.Usage, token_ids: list[int],
-              logprobs: list[TokenLogprobs]) -> msgspec.Struct:
+    def choice(self, index: int, text: str, finish_reason: str, token_ids: list[int],
+               logprobs: list[TokenLogprobs]) -> r.ChatChoice | r.CompletionChoice:
+        """Choice `index` of a whole response: its output `text` of `token_ids`, ended with `finish_reason`."""
         if self.chat:
             calls = self._calls(text, finish_reason)
             message = (r.AssistantMessage(content=text) if calls is None else
                        r.AssistantMessage(content=None, tool_calls=calls))
-            choice = r.ChatChoice(index=0, message=message, finish_reason="tool_calls" if calls else finish_reason,
-                                  logprobs=self._chat_logprobs(token_ids, logprobs))
-            return r.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
-        return r.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
-                                choices=[r.CompletionChoice(index=0, text=text, finish_reason=finish_reason,
-                                                            logprobs=self._text_logprobs(token_ids, logprobs))])
+            return r.ChatChoice(index=index, message=message, finish_reason="tool_calls" if calls else finish_reason,
+                                logprobs=self._chat_logprobs(token_ids, logprobs))
+        return r.CompletionChoice(index=index, text=text, finish_reason=finish_reason,
+                                  logprobs=self._text_logprobs(index, token_ids, logprobs))
+
+    def whole(self, choices: list[Any], usage: r.Usage) -> msgspec.Struct:
+        """The whole response: `choices` from `choice()`, in index order."""
+        if self.chat:
+            return r.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+        return r.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=choices)
 
     def _calls(self, text: str, finish_reason: str) -> list[ToolCall] | None:
         """The tool calls of a completed output (None: text, or a call cut short by max_tokens)."""
@@ -77,13 +90,13 @@ class ResponseShape:
             return None
         return tool_calls(self.tools, text)
 
-    def tool_chunk(self, text: str, finish_reason: str) -> tuple[msgspec.Struct, str]:
-        """The chunk that streams a tool-call request's output, and the finish reason to send:
-        its calls and "tool_calls", or (cut short) its text as content and `finish_reason`."""
+    def tool_chunk(self, text: str, finish_reason: str, index: int = 0) -> tuple[msgspec.Struct, str]:
+        """The chunk that streams choice `index` of a tool-call request, and the finish reason to
+        send: its calls and "tool_calls", or (cut short) its text as content and `finish_reason`."""
         calls = self._calls(text, finish_reason)
         if calls is None:
-            return self.chunk(text, None), finish_reason
+            return self.chunk(text, None, index=index), finish_reason
         deltas = [ToolCallDelta(index=i, id=c.id, function=c.function) for i, c in enumerate(calls)]
-        choice = r.ChatChunkChoice(index=0, delta=r.ChatDelta(tool_calls=deltas))
+        choice = r.ChatChunkChoice(index=index, delta=r.ChatDelta(tool_calls=deltas))
         return r.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
                                      choices=[choice]), "tool_calls"

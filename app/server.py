@@ -50,9 +50,9 @@ class ServingEngine:
     def max_context_tokens(self) -> int:
         return self.scheduler.max_context_tokens
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant,
-               cache_salt: str = "") -> RequestHandle:
-        return self.scheduler.submit(prompt_token_ids, sampling, tenant, cache_salt)
+    def submit_samples(self, prompt_token_ids: list[int], samples: list[SamplingParams], tenant: Tenant,
+                       cache_salt: str = "") -> list[RequestHandle]:
+        return self.scheduler.submit_samples(prompt_token_ids, samples, tenant, cache_salt)
 
     def flush_cache(self) -> dict[str, int]:
         return self.scheduler.flush_cache()

@@ -19,7 +19,7 @@ one generator owned by the `Sampler`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -151,6 +151,14 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether picking a token needs the counts of the tokens before it (engine/token_counts.py)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` (0-based) of a request asking for several (OpenAI's
+        `n`): a seeded request's sample i is seeded `seed + i` (as vLLM does), so each sample is
+        reproducible and no two draw the same noise; unseeded ones each draw their own."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=self.seed + index)
 
 
 def _splitmix64(x: int) -> int:

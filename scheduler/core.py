@@ -52,7 +52,7 @@ from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
 from kvfence.scheduler.policy import decode_steps, prefill_chunks
 from kvfence.scheduler.preemption import Preemption
-from kvfence.scheduler.prefix_cache import chain_root
+from kvfence.scheduler.prefix_cache import chain_root, reusable_blocks
 from kvfence.scheduler.reservation import Reservation
 from kvfence.scheduler.request import Request, State, client_closed
 from kvfence.scheduler.tenants import ANONYMOUS, Tenant, TenantLoads
@@ -223,34 +223,62 @@ class SchedulerCore(Reservation, Preemption):
         never cached (the canary runs the whole path every time).
         `cache_salt`: partitions the prefix cache further within the tenant (never across tenants:
         the chain is rooted in the tenant's name and its pages carry the tenant's seal)."""
-        max_tokens = self.admissible(prompt, params, now)
+        return self._admit(prompt, [params], now, priority, tenant, cache_salt)[0]
+
+    def submit_samples(self, prompt: list[int], samples: list[SamplingParams], now: float, *,
+                       tenant: Tenant = ANONYMOUS, cache_salt: str = "") -> list[Request]:
+        """Admit the samples of one request (OpenAI's `n`) together, or refuse them all, as `submit`
+        does one (the queue and the tenant's `max_queued` must hold all of them; the prompt counts
+        once against its tokens per minute). Each sample is a request of its own: its leases,
+        output and finish; `samples` differ only in their seeds.
+
+        The prompt is prefilled and moved once: with the prefix cache on, the first sample goes
+        first and the others wait in the queue (without holding up anyone behind them) until its
+        full prompt pages are cached in both pools, then share them read-only; each computes only
+        the page of the prompt's last token, which it writes its own tokens into, and decodes on
+        its own pages. Once the first has been preempted or retried, they stop waiting for it."""
+        if len(samples) > max(self.config.max_queue, 1):
+            raise AdmissionRejected(400, "invalid_value", f"n is {len(samples)}, but this server queues at most "
+                                    f"{self.config.max_queue} requests; ask for fewer samples", param="n")
+        if any(p.max_tokens != samples[0].max_tokens for p in samples):
+            raise ValueError("the samples of one request have the same max_tokens")
+        return self._admit(prompt, samples, now, False, tenant, cache_salt)
+
+    def _admit(self, prompt: list[int], samples: list[SamplingParams], now: float, priority: bool, tenant: Tenant,
+               cache_salt: str) -> list[Request]:
+        max_tokens = self.admissible(prompt, samples[0], now)
         load = self._tenants.of(tenant, now)
-        refusal = None if priority else self._tenants.refusal(load, now)
+        refusal = None if priority else self._tenants.refusal(load, now, len(samples))
         if refusal is not None:
             self.metrics.rejected(refusal[0])
             raise refusal[1]
         running = self.num_running()
-        if not priority and len(self.queue) >= self.config.max_queue and (
+        if not priority and len(self.queue) + len(samples) > self.config.max_queue and (
                 self.queue or running >= self.config.max_running
                 or not any(self._can_reserve(pair, len(prompt), running) for pair in self.serving_pairs)):
             self.metrics.rejected("queue_full")
             raise overloaded(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
-        self._arrivals += 1
-        req = Request(id_hex(self.mint()), list(prompt), params, max_tokens,
-                      TextOutput(self.tokenizer, prompt, params, max_tokens), now, tokens=list(prompt),
-                      prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name)
-        if self.config.prefix_cache and not priority:
-            scope = "*" if self.config.unsafe_cache_across_tenants else tenant.name  # "*": not a tenant name
-            req.cache_root, req.seal = chain_root(scope, cache_salt), self._seal_of(scope)
-        self._live[req.request_id] = req
-        load.queued += 1
+        admitted: list[Request] = []
+        for params in samples:
+            self._arrivals += 1
+            req = Request(id_hex(self.mint()), list(prompt), params, max_tokens,
+                          TextOutput(self.tokenizer, prompt, params, max_tokens), now, tokens=list(prompt),
+                          prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name)
+            if self.config.prefix_cache and not priority:
+                scope = "*" if self.config.unsafe_cache_across_tenants else tenant.name  # "*": not a tenant name
+                req.cache_root, req.seal = chain_root(scope, cache_salt), self._seal_of(scope)
+                if admitted and reusable_blocks(len(prompt), self.config.page_size_tokens):
+                    req.leader = admitted[0]
+            self._live[req.request_id] = req
+            load.queued += 1
+            if priority:
+                self.queue.insert(self._queue_front(), req)
+            else:
+                self.queue.append(req)
+            admitted.append(req)
         load.spend(len(prompt), now)
-        if priority:
-            self.queue.insert(self._queue_front(), req)
-        else:
-            self.queue.append(req)
         self._schedule(now)
-        return req
+        return admitted
 
     def admissible(self, prompt: list[int], params: SamplingParams, now: float) -> int:
         """The request's max_tokens if it can ever be served; else raise AdmissionRejected."""

@@ -125,6 +125,13 @@ class Scheduler:
         `cache_salt`: partitions the prefix cache within the tenant (SchedulerCore.submit)."""
         return self._admit(self.core.submit(prompt, params, time.monotonic(), tenant=tenant, cache_salt=cache_salt))
 
+    def submit_samples(self, prompt: list[int], samples: list[SamplingParams], tenant: Tenant = ANONYMOUS,
+                       cache_salt: str = "") -> list[RequestHandle]:
+        """Admit the samples of one request together (OpenAI's `n`; SchedulerCore.submit_samples),
+        one handle each, or raise AdmissionRejected for all of them."""
+        reqs = self.core.submit_samples(prompt, samples, time.monotonic(), tenant=tenant, cache_salt=cache_salt)
+        return [self._admit(req) for req in reqs]
+
     def submit_priority(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
         """Admit a server-internal request (the readiness canary) ahead of every queued one
         (SchedulerCore.submit with `priority`)."""

@@ -95,6 +95,9 @@ class Request:
     retries: int = 0
     arrival: int = 0  # admission order: the newest running request is the one preempted
     priority: bool = False  # a server-internal request (the readiness canary): ahead of the queue
+    # A later sample of an n > 1 request: it waits in the queue until this first sample's prompt
+    # pages are cached in both pools, then shares them (SchedulerCore.submit_samples).
+    leader: Request | None = None
     tenant: str = "anonymous"  # the authenticated tenant (scheduler/tenants.py); its leases are its own
     # The prefix cache (scheduler/prefix_cache.py): the root of its chain of keys (None: not cached),
     # the seal of its tenant, the keys of the current attempt (for `keys_for` tokens), how many pages

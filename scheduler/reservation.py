@@ -201,9 +201,19 @@ class Reservation:
             w.table.seal(lease, req.seal, pages[shared:len(keys)], keys[shared:])
 
     def _next_to_start(self) -> Request | None:
-        """The first queued request whose tenant may run one more: a tenant at its running limit
-        waits without holding up the others behind it."""
-        return next((r for r in self.queue if r.priority or not self._tenants[r.tenant].at_running_limit), None)
+        """The first queued request whose tenant may run one more and that waits for no other: a
+        tenant at its running limit, or a sample whose first sample's prompt is not cached yet
+        (`_waits_for_leader`), waits without holding up the others behind it."""
+        return next((r for r in self.queue if r.priority or not (self._tenants[r.tenant].at_running_limit
+                                                                 or self._waits_for_leader(r))), None)
+
+    @staticmethod
+    def _waits_for_leader(req: Request) -> bool:
+        """A later sample of an n > 1 request waits while its first sample's first attempt has not
+        yet cached its prompt pages in both pools (it caches them as it starts decoding)."""
+        lead = req.leader
+        return lead is not None and lead.attempt == 1 and lead.pending_end is None and lead.state in (
+            State.WAITING, State.PREFILLING, State.TRANSFERRING)
 
     def _release_leases(self, req: Request) -> None:
         """Release every lease `req` holds (the workers untag and scrub the pages in their next

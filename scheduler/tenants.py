@@ -97,15 +97,16 @@ class TenantLoads(dict[str, TenantLoad]):
         return load
 
     @staticmethod
-    def refusal(load: TenantLoad, now: float) -> tuple[str, AdmissionRejected] | None:
-        """Why one more request of this tenant is refused now (a metrics reason and the 429), or None."""
+    def refusal(load: TenantLoad, now: float, count: int = 1) -> tuple[str, AdmissionRejected] | None:
+        """Why `count` more requests of this tenant (the samples of one request) are refused now (a
+        metrics reason and the 429), or None."""
         t = load.tenant
         retry = load.bucket.retry_after_s(now) if load.bucket is not None else None
         if retry is not None:
             return "tenant_rate", AdmissionRejected(
                 429, "rate_limit_exceeded", f"tenant {t.name} is over its {t.tokens_per_minute} tokens per minute; "
                 f"retry in {retry} s", error_type="rate_limit_error", retry_after_s=retry)
-        if t.max_queued is not None and load.queued >= t.max_queued:
+        if t.max_queued is not None and load.queued + count > t.max_queued:
             return "tenant_queue_full", AdmissionRejected(
                 429, "rate_limit_exceeded", f"tenant {t.name} already has {load.queued} requests waiting (its limit "
                 f"is {t.max_queued}); retry shortly", error_type="rate_limit_error", retry_after_s=1)

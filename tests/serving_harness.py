@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 import torch
@@ -19,10 +22,11 @@ from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker, LocalWorkerChannel
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
+from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.request import State
 from kvfence.transports.base import Transport
 from kvfence.transports.core.secret import DeploymentSecret
-
+_T = TypeVar("_T")
 
 _compute: ComputeThread | None = None
 
@@ -79,6 +83,32 @@ async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config
                           decode_pages=num_pages, link=paired.link)
     await scheduler.run(tg)
     return Serving(scheduler, [pw, dw], paired.endpoints)
+
+
+@contextlib.asynccontextmanager
+async def serving_in(checkpoint: Checkpoint, mode: str, config: SchedulerConfig,
+                     num_pages: int) -> AsyncIterator[Serving]:
+    """`start_serving` in a task group of its own, closed on exit (a fixture's body)."""
+    async with anyio.create_task_group() as tg:
+        s = await start_serving(tg, checkpoint, mode, config, num_pages)
+        yield s
+        await s.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def read_each(handles: list[RequestHandle], read: Callable[[RequestHandle], Awaitable[_T]],
+                    timeout_s: float = 60) -> list[_T]:
+    """`read(handle)` for every handle at once; the results in the handles' order."""
+    results: dict[int, _T] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await read(handles[i])
+
+    with anyio.fail_after(timeout_s):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(handles)):
+                tg.start_soon(one, i)
+    return [results[i] for i in range(len(handles))]
 
 
 def assert_baseline(scheduler: Scheduler) -> None:

@@ -15,10 +15,13 @@ from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 from kvfence.scheduler.errors import (
     AdmissionRejected,
+    RequestError,
     context_length_exceeded,
     overloaded,
 )
 from kvfence.scheduler.handle import RequestHandle
+from kvfence.scheduler.output import OutputDelta
+from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.scheduler.tenants import Tenant
 from starlette.testclient import TestClient
 from tokenizers import pre_tokenizers
@@ -41,7 +44,7 @@ def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> Tokenizer:
 
 
 class StubEngine:
-    """An EngineClient that never generates. `submit` depends on `mode`: "refuse" fails (the API had
+    """An EngineClient that never generates. `submit_samples` depends on `mode`: "refuse" fails (the API had
     to refuse the request first), "reject" records the request and raises `rejection`, "idle" admits
     it into a real handle that nothing writes to (a queued request) and counts aborts."""
 
@@ -51,9 +54,11 @@ class StubEngine:
                  rejection: AdmissionRejected | None = None) -> None:
         self.mode, self.tokenizer, self.ready = mode, tokenizer or make_tokenizer(), True
         self.rejection = rejection or overloaded("busy, retry", retry_after_s=2)
-        self.submitted: list[tuple[list[int], SamplingParams]] = []
+        self.submitted: list[tuple[list[int], SamplingParams]] = []  # the prompt and the first sample's params
+        self.samples: list[list[SamplingParams]] = []
         self.handles: list[RequestHandle] = []
         self.aborts = 0
+        self.aborted: set[str] = set()
         self.tenants: list[Tenant] = []
         self.salts: list[str] = []
         self.flushes = 0
@@ -69,20 +74,24 @@ class StubEngine:
     def is_ready(self) -> bool:
         return self.ready
 
-    def _abort(self) -> None:
+    def _abort(self, request_id: str) -> None:
         self.aborts += 1
+        self.aborted.add(request_id)
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant,
-               cache_salt: str = "") -> RequestHandle:
-        self.submitted.append((prompt_token_ids, sampling))
+    def submit_samples(self, prompt_token_ids: list[int], samples: list[SamplingParams], tenant: Tenant,
+                       cache_salt: str = "") -> list[RequestHandle]:
+        self.submitted.append((prompt_token_ids, samples[0]))
+        self.samples.append(samples)
         self.tenants.append(tenant)
         self.salts.append(cache_salt)
         if self.mode == "reject":
             raise self.rejection
         if self.mode != "idle":
-            raise RuntimeError("submit() was called for a request the API should have refused")
-        self.handles.append(RequestHandle(f"r{len(self.handles)}", prompt_token_ids, self._abort))
-        return self.handles[-1]
+            raise RuntimeError("submit_samples() was called for a request the API should have refused")
+        ids = [f"r{len(self.handles) + i}" for i in range(len(samples))]
+        handles = [RequestHandle(rid, prompt_token_ids, lambda rid=rid: self._abort(rid)) for rid in ids]
+        self.handles += handles
+        return handles
 
 
 def post(engine: StubEngine, path: str, body: object) -> tuple[int, dict, dict]:
@@ -137,7 +146,7 @@ ENDPOINTS = [(CHAT, chat_body), (COMPLETIONS, completion_body)]
     ({"stop_token_ids": [259]}, "stop_token_ids", "invalid_value"),  # the vocabulary is 0..258
     ({"stop_token_ids": list(range(65))}, "stop_token_ids", "invalid_value"),
     ({"temperature": 2.5}, "temperature", "invalid_value"), ({"seed": 1 << 64}, "seed", "invalid_value"),
-    ({"n": 2}, "n", "unsupported_value"),
+    ({"n": 0}, "n", "invalid_value"), ({"n": 129}, "n", "invalid_value"),
     ({"presence_penalty": 2.1}, "presence_penalty", "invalid_value"),
     ({"frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
     ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
@@ -330,6 +339,99 @@ def test_client_disconnect_aborts_the_request(path: str, make, stream: bool) -> 
                                      "finish_reason": None, "logprobs": None}]
 
 
+def run_fed(engine: StubEngine, path: str, body: dict, feed) -> tuple[list[dict], list[dict]]:  # type: ignore[no-untyped-def]
+    """Drive the ASGI app directly: send the body, and once the request is admitted call
+    `feed(handles)` (it pushes their deltas); run until the response is complete. Returns the ASGI
+    messages the app sent and the SSE events (or the whole body) they carried."""
+    sent: list[dict] = []
+
+    async def main() -> None:
+        messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+        never = anyio.Event()
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def fed() -> None:
+            while not engine.handles:
+                await anyio.sleep(0.01)
+            feed(engine.handles)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fed)
+                await build_app(engine)(post_scope(path), receive, send)
+
+    anyio.run(main)
+    data = b"".join(m.get("body", b"") for m in sent)
+    if not body.get("stream"):
+        return sent, [json.loads(data)]
+    events = [e[len(b"data: "):] for e in data.split(b"\n\n") if e]
+    return sent, [json.loads(e) if e != b"[DONE]" else "[DONE]" for e in events]
+
+
+def test_samples_stream_interleaved_each_naming_its_choice_then_usage_once() -> None:
+    engine = StubEngine("idle")
+
+    def feed(handles: list[RequestHandle]) -> None:
+        second, first = handles[1], handles[0]
+        second.push(OutputDelta("b", [98]))
+        first.push(OutputDelta("a", [97]))
+        second.push(OutputDelta("", [], finish_reason="length", cached_tokens=9))
+        first.push(OutputDelta("", [], finish_reason="stop", cached_tokens=4))
+
+    _, events = run_fed(engine, CHAT, chat_body(n=2, seed=3, stream=True, stream_options={"include_usage": True}),
+                        feed)
+    assert [p.seed for p in engine.samples[0]] == [3, 4]
+    assert events[-1] == "[DONE]"
+    choices = [(c["index"], c["delta"], c["finish_reason"]) for e in events[:-1] for c in e["choices"]]
+    assert choices[:2] == [(0, {"role": "assistant", "content": ""}, None), (1, {"role": "assistant", "content": ""}, None)]
+    assert [(i, d["content"]) for i, d, _ in choices if d.get("content")] in ([(1, "b"), (0, "a")], [(0, "a"), (1, "b")])
+    assert {i: f for i, _, f in choices if f} == {0: "stop", 1: "length"}
+    usage = events[-2]["usage"]
+    assert (usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) == (2, 4)  # the first's
+    assert engine.aborts == 0
+
+
+def test_a_failed_sample_fails_the_request_and_aborts_the_others() -> None:
+    engine = StubEngine("idle")
+
+    def feed(handles: list[RequestHandle]) -> None:
+        handles[0].push(OutputDelta("a", [97]))
+        handles[2].push(OutputDelta("", [], finish_reason="stop"))
+        handles[1].push(OutputDelta("", [], error=RequestError(503, "worker_lost", "the worker was lost")))
+
+    sent, [body] = run_fed(engine, COMPLETIONS, completion_body(n=3), feed)
+    assert sent[0]["status"] == 503 and body["error"]["code"] == "worker_lost"
+    assert "r0" in engine.aborted and "r1" not in engine.aborted  # the one still running; not the failed one
+
+
+def test_best_of_asks_every_sample_for_its_logprobs_and_returns_the_likeliest() -> None:
+    engine = StubEngine("idle")
+
+    def feed(handles: list[RequestHandle]) -> None:
+        for h, (text, lp) in zip(handles, [("x", -3.0), ("y", -0.5), ("z", -1.0)]):
+            h.push(OutputDelta(text, [ord(text)], finish_reason="length",
+                               logprobs=[TokenLogprobs(lp)]))
+
+    _, [body] = run_fed(engine, COMPLETIONS, completion_body(n=2, best_of=3), feed)
+    assert [p.logprobs for p in engine.samples[0]] == [0, 0, 0]
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [(0, "y", None), (1, "z", None)]
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_that_leaves_aborts_every_sample() -> None:
+    engine = StubEngine("idle")
+    run_until_disconnect(engine, CHAT, chat_body(n=3, stream=True))
+    assert engine.aborted == {"r0", "r1", "r2"}
+
+
 # ---- input limits ----------------------------------------------------------------------------
 
 
@@ -369,10 +471,10 @@ class _LoopThreadEngine(StubEngine):
 
     loop_thread = 0
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, tenant: Tenant,
-               cache_salt: str = "") -> RequestHandle:
+    def submit_samples(self, prompt_token_ids: list[int], samples: list[SamplingParams], tenant: Tenant,
+                       cache_salt: str = "") -> list[RequestHandle]:
         self.loop_thread = threading.get_ident()
-        return super().submit(prompt_token_ids, sampling, tenant, cache_salt)
+        return super().submit_samples(prompt_token_ids, samples, tenant, cache_salt)
 
 
 def test_long_bodies_are_prepared_off_the_event_loop_short_ones_on_it() -> None:

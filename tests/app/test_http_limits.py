@@ -177,7 +177,7 @@ def test_unsupported_fields_are_refused_by_name_and_the_default_call_is_served(c
     for fields, param in (({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
                           # tool_choice "auto", the default with tools: this model's template renders no tools
                           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
-                          ({"n": 2}, "n"), ({"extra_body": {"min_tokens": 3}}, "min_tokens")):
+                          ({"extra_body": {"best_of": 2}}, "best_of"), ({"extra_body": {"min_tokens": 3}}, "min_tokens")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                            **fields)  # type: ignore[arg-type]

@@ -79,7 +79,7 @@ def test_values_at_the_bounds_are_accepted() -> None:
 
 # A value that would change the output, for every field of UNSUPPORTED_FIELDS.
 ACTIVE_VALUES: dict[str, object] = {
-    "n": 2, "best_of": 3, "echo": True, "suffix": "end",
+    "best_of": 3, "echo": True, "suffix": "end",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "parallel_tool_calls": "yes", "audio": {"voice": "x"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content"}, "reasoning_effort": "high", "web_search_options": {},
@@ -99,7 +99,9 @@ def test_every_unsupported_field_has_an_active_value_here() -> None:
 
 @pytest.mark.parametrize("field", sorted(s.UNSUPPORTED_FIELDS))
 def test_unsupported_fields_are_refused_by_name_never_ignored(field: str) -> None:
-    requests = [completion(**{field: ACTIVE_VALUES[field]})]
+    requests = []
+    if field not in s.COMPLETION_ONLY_FIELDS:  # completions take best_of (test_samples_are_counted_as_asked)
+        requests.append(completion(**{field: ACTIVE_VALUES[field]}))
     if field not in s.CHAT_TOOL_FIELDS:  # chat takes tools (tests/app/test_tools.py)
         requests.append(chat(**{field: ACTIVE_VALUES[field]}))
     for req in requests:
@@ -133,7 +135,7 @@ def test_transfer_fields_nested_in_extra_body_are_refused(field: str) -> None:
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"n": 2}, "n"), ({"n": 0}, "n"),
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"best_of": 2}, "best_of"),
     ({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"logit_bias": {str(i): 1.0 for i in range(s.MAX_LOGIT_BIAS_ENTRIES + 1)}}, "logit_bias"),
@@ -147,7 +149,8 @@ def test_chat_values_the_server_does_not_support_are_refused(fields: dict, param
 @pytest.mark.parametrize("fields,param", [
     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
     ({"echo": True}, "echo"),
-    ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"), ({"n": 3}, "n"), ({"max_tokens": 0}, "max_tokens"),
+    ({"best_of": 2, "n": 3}, "best_of"), ({"best_of": 129}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
+    ({"suffix": "end"}, "suffix"), ({"n": 129}, "n"), ({"max_tokens": 0}, "max_tokens"),
 ])
 def test_completion_values_the_server_does_not_support_are_refused(fields: dict, param: str) -> None:
     assert refused(completion(**fields)).param == param
@@ -157,6 +160,13 @@ def test_neutral_values_of_unsupported_features_are_accepted() -> None:
     s.check_common(chat(n=1, presence_penalty=0, frequency_penalty=0, logprobs=False, top_logprobs=0,
                         logit_bias={}, tools=[]))
     s.check_common(completion(logprobs=False, echo=False, best_of=1, suffix=""))
+
+
+def test_samples_are_counted_as_asked() -> None:
+    assert s.sample_counts(chat()) == (1, 1)
+    assert s.sample_counts(chat(n=3, stream=True)) == (3, 3)
+    assert s.sample_counts(completion(n=2, best_of=5)) == (2, 5)
+    assert s.sample_counts(completion(n=2, best_of=2, stream=True)) == (2, 2)
 
 
 @pytest.mark.parametrize("fields,wanted", [

@@ -427,3 +427,40 @@ def test_tool_calls_parse_into_the_functions_schema(api: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, tools=[WEATHER_TOOL])  # type: ignore[arg-type, list-item]
     assert info.value.body["param"] == "tool_choice" and "chat template" in info.value.body["message"]  # type: ignore[index]
+
+
+def test_n_samples_are_indexed_reproducible_and_each_a_solo_seeded_request(api: openai.OpenAI, offline: dict) -> None:
+    case = offline["chat"]
+    kw = {"model": MODEL, "messages": case["messages"], "max_tokens": 12, "temperature": 0.9, "seed": 5,
+          "extra_body": {"ignore_eos": True}}
+    whole = api.chat.completions.create(**kw, n=3)
+    texts = [c.message.content for c in whole.choices]
+    assert [c.index for c in whole.choices] == [0, 1, 2] and len(set(texts)) > 1  # seeds 5, 6, 7
+    prompt_tokens = whole.usage.prompt_tokens
+    assert (whole.usage.completion_tokens, whole.usage.total_tokens) == (36, prompt_tokens + 36)  # prompt once
+    assert [c.message.content for c in api.chat.completions.create(**kw, n=3).choices] == texts
+    alone = [api.chat.completions.create(**{**kw, "seed": 5 + i}).choices[0].message.content for i in range(3)]
+    assert alone == texts  # sample i is seeded seed + i
+    streamed = ["", "", ""]
+    finishes: dict[int, str] = {}
+    usage = None
+    for chunk in api.chat.completions.create(**kw, n=3, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert streamed == texts and finishes == {0: "length", 1: "length", 2: "length"}
+    assert usage is not None and usage.completion_tokens == 36
+
+
+def test_best_of_returns_the_most_likely_samples(api: openai.OpenAI, offline: dict) -> None:
+    case = offline["completion"]
+    kw = {"model": MODEL, "prompt": case["prompt"], "max_tokens": 10, "temperature": 1.0, "seed": 9,
+          "extra_body": {"ignore_eos": True}}
+    every = api.completions.create(**kw, n=4, logprobs=0)
+    score = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = api.completions.create(**kw, n=2, best_of=4)
+    assert [c.text for c in best.choices] == sorted(score, key=lambda t: -score[t])[:2]
+    assert [c.index for c in best.choices] == [0, 1] and all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == 40  # every sample drawn counts

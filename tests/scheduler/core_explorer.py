@@ -166,8 +166,10 @@ class World:
     """The core and its surroundings; `events()` lists what may happen next."""
 
     def __init__(self, tokenizer: Tokenizer, config: SchedulerConfig, pages: int, prompts: list[list[int]],
-                 params: SamplingParams, budget: Budget, decodes: int = 1) -> None:
-        """`decodes`: decode workers, each paired with the one prefill worker (disaggregated)."""
+                 params: SamplingParams, budget: Budget, decodes: int = 1, samples: int = 1) -> None:
+        """`decodes`: decode workers, each paired with the one prefill worker (disaggregated);
+        `samples` > 1: the first submit admits that many samples of the first prompt at once
+        (`submit_samples`, OpenAI's `n`), standing for that many of `prompts`."""
         ids = itertools.count(1)
         self.config = config
         self.prefill = WorkerBinding("prefill" if config.disaggregated else "colocated", pages)
@@ -181,6 +183,7 @@ class World:
         self.receivers = {w.name: ReceiverState(pages, 1, "none") for w in self.core.workers if w.role == "decode"}
         self.lost: set[str] = set()
         self.prompts, self.params, self.budget = prompts, params, dataclasses.replace(budget)
+        self.samples = samples
         self.now = 0.0
         self.submitted: list[str | None] = []  # request ids, in submission order (None: refused)
         self.deltas: dict[str, list[Emit]] = {}
@@ -234,10 +237,15 @@ class World:
         self.core.flush_cache(self.now)
 
     def submit(self) -> None:
+        prompt, count = self.prompts[len(self.submitted)], 1 if self.submitted else self.samples
         try:
-            self.submitted.append(self.core.submit(self.prompts[len(self.submitted)], self.params, self.now).request_id)
+            if count > 1:
+                reqs = self.core.submit_samples(prompt, [self.params.for_sample(i) for i in range(count)], self.now)
+                self.submitted += [r.request_id for r in reqs]
+            else:
+                self.submitted.append(self.core.submit(prompt, self.params, self.now).request_id)
         except AdmissionRejected:
-            self.submitted.append(None)
+            self.submitted += [None] * count
 
     def abort(self, request_id: str) -> None:
         self.budget.aborts -= 1

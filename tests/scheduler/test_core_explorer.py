@@ -22,11 +22,11 @@ SHARED_PROMPTS = [[5, 6, 7], [5, 6, 7]]  # one full page alike: the second can s
 
 
 def world_factory(tiny: Checkpoint, disaggregated: bool, budget: Budget, pages: int = 4, chunk: int = 4,  # type: ignore[no-untyped-def]
-                  cache: bool = False, prompts: list[list[int]] = PROMPTS, decodes: int = 1):
-    config = SchedulerConfig(page_size_tokens=2, max_context_tokens=8, max_running=2, max_queue=1, chunk_tokens=chunk,
-                             disaggregated=disaggregated, queue_timeout_s=10, heartbeat_s=1, max_preemptions=1,
-                             prefix_cache=cache)
-    return lambda: World(tiny.tokenizer, config, pages, prompts, PARAMS, budget, decodes)
+                  cache: bool = False, prompts: list[list[int]] = PROMPTS, decodes: int = 1, samples: int = 1):
+    config = SchedulerConfig(page_size_tokens=2, max_context_tokens=8, max_running=2, max_queue=samples,
+                             chunk_tokens=chunk, disaggregated=disaggregated, queue_timeout_s=10, heartbeat_s=1,
+                             max_preemptions=1, prefix_cache=cache)
+    return lambda: World(tiny.tokenizer, config, pages, prompts, PARAMS, budget, decodes, samples)
 
 
 @pytest.mark.parametrize(("disaggregated", "budget", "chunk", "cache"), [
@@ -49,6 +49,20 @@ def test_every_interleaving_keeps_the_invariants(tiny: Checkpoint, disaggregated
     assert report.quiescent > 0 and report.states > 100
     if cache:
         assert report.shared > 0  # some path did read a page another request sealed
+
+
+@pytest.mark.parametrize("disaggregated", [True, False], ids=["disaggregated", "colocated"])
+def test_every_interleaving_of_two_samples_keeps_the_invariants(tiny: Checkpoint, disaggregated: bool,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Two samples of one request (OpenAI's `n`): the second waits until the first's prompt page is
+    cached, then shares it; or runs alone once the first was aborted, preempted or retried."""
+    # no queue deadline: it would end a sample left waiting forever, which must be found instead
+    budget = (Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0, flushes=1) if disaggregated else
+              Budget(restarts=1, transfer_faults=0, aborts=1, ticks=0, failed_steps=1, flushes=1))
+    report = explore(world_factory(tiny, disaggregated, budget, cache=True, prompts=SHARED_PROMPTS, samples=2))
+    with capsys.disabled():
+        print(f"\ncore explorer ({'disaggregated' if disaggregated else 'colocated'}, two samples): {report}")
+    assert report.quiescent > 0 and report.shared > 0
 
 
 def test_it_finds_a_release_before_the_transfer_is_quiet(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:

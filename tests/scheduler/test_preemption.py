@@ -14,7 +14,7 @@ import time
 import anyio
 import pytest
 import torch
-from serving_harness import start_serving, wait_idle
+from serving_harness import read_each, start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import POISON_VALUE, KVPool
@@ -61,17 +61,7 @@ async def collect(handle: RequestHandle) -> tuple[list[int], str, str | None, st
 
 
 async def run_all(s: Scheduler, ps: list[list[int]], params: SamplingParams) -> list[tuple]:
-    results: list[tuple] = [()] * len(ps)
-    handles = [s.submit(p, params) for p in ps]
-
-    async def one(i: int) -> None:
-        results[i] = await collect(handles[i])
-
-    with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            for i in range(len(ps)):
-                tg.start_soon(one, i)
-    return results
+    return await read_each([s.submit(p, params) for p in ps], collect)
 
 
 def config(mode: str, **kw: object) -> SchedulerConfig:

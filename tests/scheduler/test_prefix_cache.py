@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
-from serving_harness import Serving, start_serving, wait_idle
+from serving_harness import Serving, serving_in, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
@@ -46,11 +46,8 @@ async def run(handle: RequestHandle) -> tuple[list[int], int, str | None]:
 async def serving(request: pytest.FixtureRequest, tiny: Checkpoint) -> AsyncIterator[Serving]:
     config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=96, max_running=8, max_queue=16,
                              chunk_tokens=16, disaggregated=request.param != "colocated", transfer_timeout_s=10)
-    async with anyio.create_task_group() as tg:
-        s = await start_serving(tg, tiny, request.param, config, num_pages=48)
+    async with serving_in(tiny, request.param, config, num_pages=48) as s:
         yield s
-        await s.aclose()
-        tg.cancel_scope.cancel()
 
 
 def moved_pages(s: Serving) -> float:
