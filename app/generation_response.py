@@ -7,6 +7,8 @@ samples (one, or `n`).
 - Samples run side by side; a stream interleaves their chunks as they come, each naming its
   choice (a chat stream first sends every choice's role), and ends with every choice's finish,
   then the usage chunk when asked for, then [DONE]. A whole response has one choice per sample.
+- Completions' `echo` sends the prompt before each choice's output (a stream: with its first
+  chunk), and with `logprobs` the prompt tokens' logprobs too (null for the first token).
 - Completions' `best_of` draws more samples than it returns: the n with the highest sum of token
   log-probabilities, whole responses only.
 - Usage counts the prompt once and every sample's tokens, `best_of` ones included (OpenAI's
@@ -64,6 +66,7 @@ class Prepared:
     cache_salt: str = ""  # partitions the tenant's prefix cache; never chooses a tenant
     tools: ToolPlan | None = None  # the output is tool calls (app/tools.py)
     n: int = 1  # choices returned
+    echo: str | None = None  # completions' echo: the prompt's text, sent before each choice's output
     best_of: int = 1  # samples drawn (>= n; more only on a whole response): the n most likely are returned
 
     def samples(self) -> list[SamplingParams]:
@@ -84,6 +87,8 @@ class _Choice:
     texts: list[str] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    echoed: bool = False  # a stream sent the prompt (echo)
     ended: bool = False  # its terminal delta was seen
     finish_reason: str | None = None
     cached_tokens: int = 0
@@ -185,9 +190,20 @@ class GenerationResponse(Response):
         if whole:
             choice.token_ids += delta.token_ids
             choice.logprobs += delta.logprobs
+            choice.prompt_logprobs += delta.prompt_logprobs
         if delta.finish_reason is not None:
             choice.ended, choice.finish_reason, choice.cached_tokens = True, delta.finish_reason, delta.cached_tokens
         return choice
+
+    def _echoed(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs],
+                prompt_logprobs: list[TokenLogprobs]) -> tuple[str, list[int], list[TokenLogprobs | None]]:
+        """A choice's output, or with `echo` its output after the prompt: the prompt's text and
+        tokens, and (when logprobs were asked for) a null entry for the first prompt token, which
+        nothing predicts, then the prompt's logprobs."""
+        if self.prep.echo is None:
+            return text, token_ids, list(logprobs)
+        entries: list[TokenLogprobs | None] = [None, *prompt_logprobs] if self.shape.logprobs else []
+        return self.prep.echo + text, self.prep.prompt_ids + token_ids, entries + list(logprobs)
 
     def _best(self) -> list[_Choice]:
         """The n choices to return: every sample, or of `best_of` samples the n whose tokens have
@@ -208,8 +224,9 @@ class GenerationResponse(Response):
                 self._take(index, delta, whole=True)
                 if self.finished:
                     best = self._best()
-                    body = self.shape.whole([self.shape.choice(i, "".join(c.texts), c.finish_reason or "stop",
-                                                               c.token_ids, c.logprobs)
+                    body = self.shape.whole([self.shape.choice(i, *self._echoed("".join(c.texts), c.token_ids, c.logprobs,
+                                                                                c.prompt_logprobs),
+                                                               c.finish_reason or "stop")
                                              for i, c in enumerate(best)], self._usage())
                     response = Response(self.encoder.encode(body), media_type="application/json")
                     break
@@ -233,11 +250,15 @@ class GenerationResponse(Response):
                     break
                 choice = self._take(index, delta, whole=False)
                 tools = self.shape.tools is not None  # tool calls are sent whole, once the grammar completed them
-                carries_logprobs = self.shape.logprobs and delta.token_ids
-                if not tools and (delta.text or carries_logprobs
+                text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
+                if not choice.echoed:
+                    choice.echoed = True
+                    text, token_ids, logprobs = self._echoed(text, token_ids, logprobs, delta.prompt_logprobs)
+                carries_logprobs = self.shape.logprobs and token_ids
+                if not tools and (text or carries_logprobs
                                   or (delta.finish_reason is not None and not self.shape.chat)):
-                    await event(self.shape.chunk(delta.text, None if self.shape.chat else delta.finish_reason,
-                                                 token_ids=delta.token_ids, logprobs=delta.logprobs, index=index))
+                    await event(self.shape.chunk(text, None if self.shape.chat else delta.finish_reason,
+                                                 token_ids=token_ids, logprobs=logprobs, index=index))
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason
                     if tools:

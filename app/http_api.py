@@ -156,14 +156,18 @@ class _Api:
                                       max_context_tokens=self.engine.max_context_tokens)
         else:
             ids = prompt
-        return self._finish(req, ids, chat=False, where="prompt")
+        echo = None
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+        return self._finish(req, ids, chat=False, where="prompt", echo=echo)
 
     def _finish(self, req: s.ChatCompletionRequest | s.CompletionRequest, ids: list[int], *, chat: bool,
-                where: str, tools: ToolPlan | None = None) -> Prepared:
+                where: str, tools: ToolPlan | None = None, echo: str | None = None) -> Prepared:
         if not ids:
             raise s.invalid(where, f"the {where} must not be empty (it encodes to no tokens)")
         max_tokens, max_param = s.requested_max_tokens(req)
         n, best_of = s.sample_counts(req)
+        logprobs = s.logprobs_requested(req)
         limit = self.engine.max_context_tokens
         too_long = context_too_long(limit, len(ids), max_tokens, prompt_param=where, max_tokens_param=max_param,
                                     where=where)
@@ -187,14 +191,15 @@ class _Api:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0,
                 logit_bias=s.logit_bias(req, vocab_size),
-                logprobs=s.logprobs_requested(req),
+                logprobs=logprobs,
+                prompt_logprobs=logprobs if echo is not None else None,
                 grammar=tools.grammar if tools is not None else s.grammar(req))
         except ValueError as e:
             raise from_sampling_error(e, max_param) from e
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(prompt_ids=ids, sampling=sampling, chat=chat, stream=bool(req.stream),
                          include_usage=include_usage, model=self.engine.model_name, user=req.user,
-                         cache_salt=req.cache_salt or "", tools=tools, n=n, best_of=best_of)
+                         cache_salt=req.cache_salt or "", tools=tools, n=n, best_of=best_of, echo=echo)
 
     def _unauthorized(self, needs: str) -> Response:
         err = RequestError(401, "invalid_api_key", f"this route needs {needs}: send it as 'Authorization: Bearer "

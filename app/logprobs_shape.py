@@ -47,19 +47,24 @@ def chat_logprobs(pieces: TokenPieces, token_ids: list[int], entries: list[Token
 
 
 class CompletionLogprobsBuilder:
-    """Builds the legacy shape chunk by chunk, carrying `text_offset` across a stream."""
+    """Builds the legacy shape chunk by chunk, carrying `text_offset` across a stream. An entry
+    of None (the first prompt token of an echo, which nothing predicts) has null logprobs."""
 
     def __init__(self, pieces: TokenPieces) -> None:
         self._pieces = pieces
         self._offset = 0
 
-    def __call__(self, token_ids: list[int], entries: list[TokenLogprobs]) -> r.CompletionLogprobs:
+    def __call__(self, token_ids: list[int], entries: list[TokenLogprobs | None]) -> r.CompletionLogprobs:
         out = r.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token, entry in zip(token_ids, entries):
             text = self._pieces(token)[0]
             out.tokens.append(text)
-            out.token_logprobs.append(_clamp(entry.logprob))
-            out.top_logprobs.append({self._pieces(t)[0]: _clamp(lp) for t, lp in zip(entry.top_ids, entry.top_logprobs)})
             out.text_offset.append(self._offset)
             self._offset += len(text)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_clamp(entry.logprob))
+            out.top_logprobs.append({self._pieces(t)[0]: _clamp(lp) for t, lp in zip(entry.top_ids, entry.top_logprobs)})
         return out

@@ -49,8 +49,8 @@ class CompletionLogprobs(Struct, kw_only=True):
     """The legacy completions shape: parallel lists, one entry per token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the prompt's first token (echo), which nothing predicts
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

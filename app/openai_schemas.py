@@ -3,7 +3,7 @@
 Requests: the transfer / routing fields in `FORBIDDEN_FIELDS` are refused whatever their value:
 nothing in a body may choose a peer, a KV page or a transport, so a body that carries any of them
 (at the top level or inside `extra_body`) is refused. The OpenAI and vLLM fields kvfence does not
-implement (`UNSUPPORTED_FIELDS`: echo, suffix, chat's best_of, ...) are refused
+implement (`UNSUPPORTED_FIELDS`: suffix, chat's best_of and echo, ...) are refused
 unless they hold a value that changes nothing (null, or their documented default, e.g. `echo: false`),
 never silently ignored. Other unknown fields are ignored: clients send extras that do not change
 the output (`metadata`, `service_tier`, ...). `check_common` raises `RequestError` (400, `param`
@@ -60,7 +60,7 @@ MAX_SAMPLES = 128  # `n`: OpenAI's bound
 # Chat roles the server renders; "developer" (OpenAI's newer name for system) is rendered as system.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 CHAT_TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})  # refused on completions only
-COMPLETION_ONLY_FIELDS = frozenset({"best_of"})  # refused on chat only
+COMPLETION_ONLY_FIELDS = frozenset({"best_of", "echo"})  # refused on chat only
 
 
 def invalid(param: str | None, message: str, code: str = "invalid_value") -> RequestError:
@@ -193,6 +193,7 @@ class CompletionRequest(_RequestBase, kw_only=True):
     prompt: str | list[Any]
     logprobs: int | bool | None = None
     best_of: int | None = None  # sample_counts
+    echo: bool | None = None  # the prompt comes back before the completion (with its logprobs when asked)
 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:

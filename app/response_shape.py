@@ -38,7 +38,7 @@ class ResponseShape:
         return chat_logprobs(self._pieces, token_ids, entries) if self.logprobs else None
 
     def _text_logprobs(self, index: int, token_ids: list[int],
-                       entries: list[TokenLogprobs]) -> r.CompletionLogprobs | None:
+                       entries: list[TokenLogprobs | None]) -> r.CompletionLogprobs | None:
         if not self.logprobs:
             return None
         builder = self._completion_logprobs.get(index)
@@ -47,7 +47,7 @@ class ResponseShape:
         return builder(token_ids, entries)
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False, token_ids: list[int] = [],
-              logprobs: list[TokenLogprobs] = [], index: int = 0) -> msgspec.Struct:
+              logprobs: list[TokenLogprobs | None] = [], index: int = 0) -> msgspec.Struct:
         """One stream chunk of choice `index`: `text` (None: no content field) of `token_ids`,
         whose `logprobs` it carries when asked for (a chunk without tokens carries none)."""
         if self.chat:
@@ -66,9 +66,11 @@ class ResponseShape:
         kind = r.ChatCompletionChunk if self.chat else r.TextCompletion
         return kind(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
-    def choice(self, index: int, text: str, finish_reason: str, token_ids: list[int],
-               logprobs: list[TokenLogprobs]) -> r.ChatChoice | r.CompletionChoice:
-        """Choice `index` of a whole response: its output `text` of `token_ids`, ended with `finish_reason`."""
+    def choice(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprobs | None],
+               finish_reason: str) -> r.ChatChoice | r.CompletionChoice:
+        """Choice `index` of a whole response: its output `text` of `token_ids` (with their
+        `logprobs` when asked for; None for a completion's echoed first prompt token), ended with
+        `finish_reason`."""
         if self.chat:
             calls = self._calls(text, finish_reason)
             message = (r.AssistantMessage(content=text) if calls is None else

@@ -65,6 +65,10 @@ class SeqStep(msgspec.Struct, frozen=True):
     # and how many of the sequence's tokens are its prompt.
     history: list[int] | None = None
     prompt_tokens: int = 0
+    # Prompt logprobs: for each token fed, the prompt token that follows it whose log-probability
+    # the reply carries (-1: none), with `score_top` alternatives. None: nothing is scored.
+    score: list[int] | None = None
+    score_top: int = 0
 
 
 class PageGrant(msgspec.Struct, frozen=True):
@@ -132,6 +136,9 @@ class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     draining: bool = False  # the worker is shutting down: route nothing new to it
     # per seq, in order, when any seq asked for logprobs (else empty): its sampled token's
     logprobs: list[TokenLogprobs | None] = []
+    # per seq, in order, when any seq scored its prompt (else empty): one per target of its
+    # `score` that is not -1, in order
+    prompt_logprobs: list[list[TokenLogprobs]] = []
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):

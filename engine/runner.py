@@ -36,6 +36,9 @@ class SeqWork:
     seal: int = 0  # its tenant's seal: it may also read (never write) pages sealed with it
     counts: TokenCounts | None = None  # what it has seen, where its sampling is penalized (token_counts.py)
     grammar: Any = None  # its grammar matcher, where its output must follow one (grammar.py)
+    # prompt logprobs: per token fed, the token whose log-probability its logits give (-1: none)
+    score: list[int] | None = None
+    score_top: int = 0  # alternatives per scored token
 
     @property
     def is_decode(self) -> bool:
@@ -49,6 +52,9 @@ class StepResult:
     violations: list[OwnerViolation | SlotViolation] = dataclasses.field(default_factory=list)  # works taken out
     # per work, in the caller's order, when any work asked for logprobs (else empty)
     logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
+    # per work, in the caller's order, when any work scored tokens (else empty): one per target of
+    # its `score` that is not -1
+    prompt_logprobs: list[list[TokenLogprobs]] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -77,6 +83,8 @@ class ModelRunner:
             if not w.token_ids or len(w.page_table) < needed:
                 raise ValueError(f"sequence step needs {needed} pages and at least one token, "
                                  f"got {len(w.page_table)} pages and {len(w.token_ids)} tokens")
+            if w.score is not None and len(w.score) != len(w.token_ids):
+                raise ValueError(f"score names {len(w.score)} targets for {len(w.token_ids)} tokens")
         violations: list[OwnerViolation | SlotViolation] = []
         if self.owner_check:
             violations += check_owner_tags(self.pool, works)
@@ -89,11 +97,14 @@ class ModelRunner:
             inner = self.step([works[i] for i in kept], return_logits) if kept else StepResult([], None)
             tokens: list[int | None] = [None] * len(works)
             logprobs: list[TokenLogprobs | None] = [None] * len(works) if inner.logprobs else []
+            scores: list[list[TokenLogprobs]] = [[] for _ in works] if inner.prompt_logprobs else []
             for j, i in enumerate(kept):
                 tokens[i] = inner.tokens[j]
                 if inner.logprobs:
                     logprobs[i] = inner.logprobs[j]
-            return StepResult(tokens, inner.logits, violations, logprobs)
+                if inner.prompt_logprobs:
+                    scores[i] = inner.prompt_logprobs[j]
+            return StepResult(tokens, inner.logits, violations, logprobs, scores)
         order = [i for i, w in enumerate(works) if w.is_decode] + \
                 [i for i, w in enumerate(works) if not w.is_decode]
         num_decode = sum(1 for w in works if w.is_decode)
@@ -101,8 +112,15 @@ class ModelRunner:
         positions: list[int] = []
         score_rows: list[int] = []
         scored: list[int] = []  # indices into `works` that sample, in logits-row order
+        prompt_rows: list[int] = []  # rows whose logits score a given token (prompt logprobs)
+        prompt_targets: list[tuple[int, int]] = []  # (work index, token), per prompt row
         for i in order:
             w = works[i]
+            if w.score is not None:
+                for j, target in enumerate(w.score):
+                    if target >= 0:
+                        prompt_rows.append(len(ids) + j)
+                        prompt_targets.append((i, target))
             ids.extend(w.token_ids)
             positions.extend(range(w.context_tokens, w.context_tokens + len(w.token_ids)))
             if w.sampling is not None:
@@ -116,13 +134,16 @@ class ModelRunner:
             device,
         )
         tokens = [None] * len(works)
-        logits = self.model.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                                    batch, self.pool, torch.tensor(score_rows, dtype=torch.int64, device=device))
+        all_logits = self.model.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                        batch, self.pool,
+                                        torch.tensor(score_rows + prompt_rows, dtype=torch.int64, device=device))
         if self.sanitizer is not None:  # the forward stored every work's new K/V
             for w in works:
                 self.sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))
+        prompt_logprobs = self._prompt_logprobs(works, all_logits[len(score_rows):], prompt_targets)
+        logits = all_logits[:len(score_rows)]
         if not scored:
-            return StepResult(tokens, None)
+            return StepResult(tokens, None, prompt_logprobs=prompt_logprobs)
         params: list[SamplingParams] = [works[i].sampling for i in scored]  # type: ignore[misc]
         allowed = apply_grammars(logits, [works[i].grammar for i in scored])  # [N, V]; logprobs stay the model's
         sampled = self.sampler.sample(allowed, params, [works[i].output_index for i in scored],
@@ -135,6 +156,21 @@ class ModelRunner:
             for i, lp in zip(scored, token_logprobs(logits, sampled, [p.logprobs for p in params])):
                 logprobs[i] = lp
         if not return_logits:
-            return StepResult(tokens, None, logprobs=logprobs)
+            return StepResult(tokens, None, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         caller_order = sorted(range(len(scored)), key=lambda row: scored[row])
-        return StepResult(tokens, logits[caller_order], logprobs=logprobs)
+        return StepResult(tokens, logits[caller_order], logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(works: list[SeqWork], logits: torch.Tensor,
+                         targets: list[tuple[int, int]]) -> list[list[TokenLogprobs]]:
+        """Per work, the log-probability of each token its `score` names, from `logits` (one row
+        per target, in `targets`' order): one log_softmax and topk over every row (empty: none)."""
+        if not targets:
+            return []
+        wanted = torch.tensor([t for _, t in targets], dtype=torch.int64, device=logits.device)
+        entries = token_logprobs(logits, wanted, [works[i].score_top for i, _ in targets])
+        out: list[list[TokenLogprobs]] = [[] for _ in works]
+        for (i, _), entry in zip(targets, entries):
+            assert entry is not None
+            out[i].append(entry)
+        return out

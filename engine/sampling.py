@@ -68,6 +68,9 @@ class SamplingParams:
       many of the most likely alternatives, from the model's own distribution (before bias,
       penalties and temperature: what vLLM returns by default).
     grammar: None, or the canonical text of a grammar the output must follow (engine/grammar.py).
+    prompt_logprobs: None (off) or 0..MAX_LOGPROBS: also return the log-probability of every
+      prompt token after the first, given the tokens before it, with that many alternatives
+      (completions' `echo` with `logprobs`; vLLM's `prompt_logprobs`).
     Lists given for `stop` / `stop_token_ids` are stored as tuples, so the params stay hashable.
     """
 
@@ -86,6 +89,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     grammar: str | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -131,6 +135,10 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {bias!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError(f"grammar must be None or a grammar's text, got {self.grammar!r}")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))

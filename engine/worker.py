@@ -126,7 +126,8 @@ class Worker:
         with torch.inference_mode():
             result = self.runner.step(works, return_logits)
         return StepDone(cmd.step_id, result.tokens, [self._mismatch(v) for v in result.violations],
-                        self.incarnation, logprobs=result.logprobs), result.logits
+                        self.incarnation, logprobs=result.logprobs,
+                        prompt_logprobs=result.prompt_logprobs), result.logits
 
     def _work(self, s: SeqStep) -> SeqWork:
         params = s.sampling.params() if s.sampling is not None else None
@@ -137,7 +138,7 @@ class Worker:
             grammar = self.grammars.observe(s.lease, params.grammar, s.context_tokens, s.token_ids, s.history,
                                             s.prompt_tokens)
         return SeqWork(s.token_ids, s.context_tokens, self.page_tables.extend(s.lease, s.new_pages), s.lease,
-                       params, s.output_index, s.seal, counts, grammar)
+                       params, s.output_index, s.seal, counts, grammar, s.score, s.score_top)
 
     def _mismatch(self, v: OwnerViolation | SlotViolation) -> OwnerMismatch:
         if isinstance(v, OwnerViolation):

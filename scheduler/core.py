@@ -35,6 +35,7 @@ until nothing does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -339,9 +340,11 @@ class SchedulerCore(Reservation, Preemption):
                 if req.state is State.DECODING and token is not None:
                     self._accept_token(req, token, lp, now)
             n = len(step.decodes)
-            for (req, seq), token, lp in zip(step.chunks, done.tokens[n:], logprobs[n:]):
+            scores = done.prompt_logprobs or [[]] * len(done.tokens)
+            for (req, seq), token, lp, scored in zip(step.chunks, done.tokens[n:], logprobs[n:], scores[n:]):
                 if req.state.terminal or seq.lease != req.prefill_lease:  # ended, or a later attempt
                     continue
+                req.prompt_logprobs += scored
                 req.prefilled += len(seq.token_ids)
                 self.metrics.prefill(req, len(seq.token_ids))
                 if token is not None:
@@ -549,6 +552,8 @@ class SchedulerCore(Reservation, Preemption):
         self.metrics.token(req, now)
         self._tenants[req.tenant].spend(1, now)
         delta = req.output.accept(token, logprobs)
+        if req.prompt_logprobs and req.num_generated == 1:  # the prompt's go with the first token
+            delta = dataclasses.replace(delta, prompt_logprobs=req.prompt_logprobs)
         if delta.terminal:
             self._end(req, None, now, last=delta)
         else:

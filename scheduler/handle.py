@@ -32,6 +32,7 @@ class RequestHandle:
         self._texts: list[str] = []  # pending output, in order
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprobs] = []
+        self._prompt_logprobs: list[TokenLogprobs] = []
         self._terminal: OutputDelta | None = None
         self._reader_gone = False
         self._wakeup: anyio.Event | None = None  # set while the reader waits for output
@@ -47,6 +48,7 @@ class RequestHandle:
             self._texts.append(delta.text)
             self._ids += delta.token_ids
             self._logprobs += delta.logprobs
+            self._prompt_logprobs += delta.prompt_logprobs
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -62,9 +64,9 @@ class RequestHandle:
         try:
             while True:
                 if self._ids or self._texts:
-                    text, ids, logprobs = "".join(self._texts), self._ids, self._logprobs
-                    self._texts, self._ids, self._logprobs = [], [], []
-                    yield OutputDelta(text, ids, logprobs=logprobs)
+                    text, ids, logprobs, prompt = "".join(self._texts), self._ids, self._logprobs, self._prompt_logprobs
+                    self._texts, self._ids, self._logprobs, self._prompt_logprobs = [], [], [], []
+                    yield OutputDelta(text, ids, logprobs=logprobs, prompt_logprobs=prompt)
                 elif self._terminal is not None:
                     yield self._terminal
                     return
@@ -74,4 +76,4 @@ class RequestHandle:
                     self._wakeup = None
         finally:
             self._reader_gone = True
-            self._texts, self._ids, self._logprobs = [], [], []
+            self._texts, self._ids, self._logprobs, self._prompt_logprobs = [], [], [], []

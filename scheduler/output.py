@@ -32,6 +32,8 @@ class OutputDelta:
     cached_tokens: int = 0
     # one per token of `token_ids` when the request asked for logprobs, else empty
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # the first token's delta of a request that asked for prompt logprobs: prompt tokens 1, 2, ...
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
     @property
     def terminal(self) -> bool:

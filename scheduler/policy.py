@@ -31,6 +31,19 @@ def _counting(req: Request, lease: int, position: int) -> tuple[list[int] | None
     return req.tokens[:position], len(req.prompt)
 
 
+def _scoring(req: Request, start: int, n: int) -> tuple[list[int] | None, int]:
+    """(score, score_top) of a chunk of `req` feeding positions [start, start + n): position p
+    scores prompt token p + 1, for the prompt tokens not scored yet (a recompute after a
+    preemption scores only what the first attempt did not)."""
+    if not req.scores_prompt:
+        return None, 0
+    first, end = len(req.prompt_logprobs), len(req.prompt) - 1  # positions still to score: [first, end)
+    score = [req.tokens[p + 1] if first <= p < end else -1 for p in range(start, start + n)]
+    if all(t < 0 for t in score):
+        return None, 0
+    return score, req.params.prompt_logprobs or 0
+
+
 def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTable) -> list[tuple[Request, SeqStep]]:
     """Chunks of the tokens each request still has to prefill, first come first served, within the budget.
 
@@ -49,7 +62,8 @@ def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTabl
         out.append((req, SeqStep(req.prefill_lease, req.tokens[req.prefilled: req.prefilled + n],
                                  req.prefilled, table.new_pages(req.prefill_lease, req.prefill_pages),
                                  SamplingSpec.of(req.params) if last else None, req.num_generated, req.seal,
-                                 *(_counting(req, req.prefill_lease, req.prefilled) if last else (None, 0)))))
+                                 *(_counting(req, req.prefill_lease, req.prefilled) if last else (None, 0)),
+                                 *_scoring(req, req.prefilled, n))))
         budget_tokens -= n
     return out
 

@@ -86,6 +86,8 @@ class Request:
     decoded_context: int = 0  # tokens whose K/V are in the decode pool
     pending_token: int | None = None  # sampled by prefill, emitted once the KV has landed
     pending_logprobs: TokenLogprobs | None = None  # the pending token's, when the request asked
+    # prompt logprobs (params.prompt_logprobs): of prompt tokens 1, 2, ... scored so far; sent with the first token
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     counted_lease: int = 0  # penalized: the lease whose worker counts its tokens (scheduler/policy.py)
     prefill_done_s: float = 0.0  # when the prefill sampled the first token (disaggregated)
     stepping: bool = False  # part of a step in flight to a worker
@@ -119,6 +121,12 @@ class Request:
     def who(self) -> str:
         """How log lines name it: its id and its tenant."""
         return f"request {self.request_id} (tenant {self.tenant})"
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt logprobs and some prompt token is not scored yet (every one after
+        the first is, given the tokens before it)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
 
     @property
     def num_generated(self) -> int:

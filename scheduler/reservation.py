@@ -189,7 +189,10 @@ class Reservation:
 
     def _cache_hits(self, req: Request, pair: Pair) -> dict[WorkerBinding, list[int]]:
         """Per pool of `pair`, the cached pages of the longest prefix of `req` found there, short
-        of the page of its last token (which is computed to sample the next one)."""
+        of the page of its last token (which is computed to sample the next one); none for a
+        request that still scores its prompt."""
+        if req.scores_prompt:  # every prompt token's logits are needed: computed, never found cached
+            return {}
         keys = self._cache_keys(req)[:reusable_blocks(req.prefill_target, self.config.page_size_tokens)]
         return {w: w.ledger.lookup(keys) for w in pair.pools} if keys else {}
 

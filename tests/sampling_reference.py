@@ -35,3 +35,11 @@ def slow_greedy(engine: OfflineEngine, prompt: list[int], p: SamplingParams, max
         output.append(max(range(len(processed)), key=processed.__getitem__))
         rows.append(raw)
     return output, rows
+
+
+def slow_prompt_logprobs(engine: OfflineEngine, prompt: list[int]) -> list[torch.Tensor]:
+    """The model's log-softmax [V] (float64) after each prefix prompt[:k + 1], k = 0 .. len - 2:
+    what prompt token k + 1 is scored against, one whole forward per prefix."""
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    return [torch.log_softmax(engine.generate([prompt[:k + 1]], [one], return_logits=True)[0].logits[0].double(), -1)  # type: ignore[index]
+            for k in range(len(prompt) - 1)]

@@ -164,6 +164,7 @@ class Outcome:
     text: str
     logprobs: list
     end: str | None
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
 
 
 async def serve_all(scheduler: Scheduler, prompts: list[list[int]], params: list[SamplingParams],
@@ -178,6 +179,7 @@ async def serve_all(scheduler: Scheduler, prompts: list[list[int]], params: list
             out.ids += d.token_ids
             out.text += d.text
             out.logprobs += d.logprobs
+            out.prompt_logprobs += d.prompt_logprobs
             if d.terminal:
                 out.end = d.error.code if d.error else d.finish_reason
 

@@ -158,7 +158,7 @@ ENDPOINTS = [(CHAT, chat_body), (COMPLETIONS, completion_body)]
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema.schema", "missing_required_parameter"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "unsupported_value"),
-    ({"echo": True}, "echo", "unsupported_value"),
+    ({"suffix": "x"}, "suffix", "unsupported_value"),
     ({"model": "gpt-4o"}, "model", "model_not_found"),
 ])
 def test_bad_fields_are_refused_before_submit(path: str, make, fields: dict, param: str, code: str) -> None:
@@ -424,6 +424,35 @@ def test_best_of_asks_every_sample_for_its_logprobs_and_returns_the_likeliest() 
     assert [p.logprobs for p in engine.samples[0]] == [0, 0, 0]
     assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [(0, "y", None), (1, "z", None)]
     assert body["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_sends_the_prompt_and_its_logprobs_before_the_output(stream: bool) -> None:
+    engine = StubEngine("idle")
+    prompt = engine.tokenizer.encode("hello")  # five byte-level tokens
+    [bang] = engine.tokenizer.encode("!")
+
+    def feed(handles: list[RequestHandle]) -> None:
+        scored = [TokenLogprobs(-float(k), [t], [-0.5]) for k, t in enumerate(prompt[1:], 1)]
+        handles[0].push(OutputDelta("!", [bang], logprobs=[TokenLogprobs(-0.25, [bang], [-0.25])],
+                                    prompt_logprobs=scored))
+        handles[0].push(OutputDelta("", [], finish_reason="length"))
+
+    _, events = run_fed(engine, COMPLETIONS, completion_body(echo=True, logprobs=1, stream=stream), feed)
+    assert engine.samples[0][0].prompt_logprobs == 1
+    choices = [c for e in events if e != "[DONE]" for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == "hello!"
+    logprobs = [c["logprobs"] for c in choices if c["logprobs"]]
+    tokens = sum((lp["tokens"] for lp in logprobs), [])
+    assert tokens == ["h", "e", "l", "l", "o", "!"]
+    assert sum((lp["token_logprobs"] for lp in logprobs), []) == [None, -1.0, -2.0, -3.0, -4.0, -0.25]
+    assert sum((lp["top_logprobs"] for lp in logprobs), [])[:2] == [None, {"e": -0.5}]
+    assert sum((lp["text_offset"] for lp in logprobs), []) == [0, 1, 2, 3, 4, 5]
+    plain = StubEngine("idle")
+    _, [body] = run_fed(plain, COMPLETIONS, completion_body(echo=True), lambda hs: hs[0].push(
+        OutputDelta("!", [bang], finish_reason="length")))
+    assert body["choices"][0]["text"] == "hello!" and body["choices"][0]["logprobs"] is None
+    assert plain.samples[0][0].prompt_logprobs is None  # nothing to score without logprobs
 
 
 def test_a_client_that_leaves_aborts_every_sample() -> None:

@@ -100,7 +100,7 @@ def test_every_unsupported_field_has_an_active_value_here() -> None:
 @pytest.mark.parametrize("field", sorted(s.UNSUPPORTED_FIELDS))
 def test_unsupported_fields_are_refused_by_name_never_ignored(field: str) -> None:
     requests = []
-    if field not in s.COMPLETION_ONLY_FIELDS:  # completions take best_of (test_samples_are_counted_as_asked)
+    if field not in s.COMPLETION_ONLY_FIELDS:  # completions take best_of and echo
         requests.append(completion(**{field: ACTIVE_VALUES[field]}))
     if field not in s.CHAT_TOOL_FIELDS:  # chat takes tools (tests/app/test_tools.py)
         requests.append(chat(**{field: ACTIVE_VALUES[field]}))
@@ -148,7 +148,6 @@ def test_chat_values_the_server_does_not_support_are_refused(fields: dict, param
 
 @pytest.mark.parametrize("fields,param", [
     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"echo": True}, "echo"),
     ({"best_of": 2, "n": 3}, "best_of"), ({"best_of": 129}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
     ({"suffix": "end"}, "suffix"), ({"n": 129}, "n"), ({"max_tokens": 0}, "max_tokens"),
 ])

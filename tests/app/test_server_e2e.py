@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from sampling_reference import slow_greedy
+from sampling_reference import slow_greedy, slow_prompt_logprobs
 from server_process import ServerProcess, serving
 
 from kvfence.engine.checkpoint import Checkpoint
@@ -296,7 +296,8 @@ PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {"
 @pytest.fixture(scope="module")
 def offline(smollm2: Checkpoint, reference: dict) -> dict:
     """The model in this process (fp32): raw logits of 8 greedy tokens of a chat case and a
-    completion case, and the slow reference of a penalized chat (tests/sampling_reference.py)."""
+    completion case, the slow reference of a penalized chat and the completion prompt's
+    log-softmax after each of its prefixes (tests/sampling_reference.py)."""
     model = LlamaModel(smollm2, torch.float32)
     engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 256, 16, torch.float32)), smollm2.tokenizer,
                            chunk_tokens=256)
@@ -307,7 +308,8 @@ def offline(smollm2: Checkpoint, reference: dict) -> dict:
     penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0,
                                presence_penalty=0.5, repetition_penalty=1.3, logit_bias=((30, 4.0),))
     ids, _ = slow_greedy(engine, chat["prompt_token_ids"], penalized, 12)
-    return {"chat": chat, "completion": text, "logits": logits, "penalized_text": smollm2.tokenizer.decode(ids)}
+    return {"chat": chat, "completion": text, "logits": logits, "penalized_text": smollm2.tokenizer.decode(ids),
+            "prompt_logprobs": slow_prompt_logprobs(engine, text["prompt_token_ids"])}
 
 
 def test_chat_logprobs_are_the_models_log_softmax_whole_and_streamed(api: openai.OpenAI, offline: dict,
@@ -464,3 +466,26 @@ def test_best_of_returns_the_most_likely_samples(api: openai.OpenAI, offline: di
     assert [c.text for c in best.choices] == sorted(score, key=lambda t: -score[t])[:2]
     assert [c.index for c in best.choices] == [0, 1] and all(c.logprobs is None for c in best.choices)
     assert best.usage.completion_tokens == 40  # every sample drawn counts
+
+
+def test_echo_with_logprobs_scores_every_prompt_token_as_the_model_does(api: openai.OpenAI, offline: dict) -> None:
+    """What evaluation harnesses send for log-likelihoods: echo, logprobs=1, max_tokens=1. Asked
+    twice: the second time the prompt's pages are cached, and it is scored all the same."""
+    case = offline["completion"]
+    ids = case["prompt_token_ids"]
+    for _ in range(2):
+        r = api.completions.create(model=MODEL, prompt=case["prompt"], max_tokens=1, temperature=0, echo=True,
+                                   logprobs=1)
+        choice, n = r.choices[0], len(ids)
+        lp = choice.logprobs
+        assert choice.text.startswith(case["prompt"]) and len(lp.tokens) == n + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = [offline["prompt_logprobs"][k][ids[k + 1]].item() for k in range(n - 1)]
+        assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-4)
+        assert [max(top.values()) for top in lp.top_logprobs[1:n]] == pytest.approx(
+            [row.max().item() for row in offline["prompt_logprobs"]], abs=1e-4)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 1)]
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, 1)
+    streamed = "".join(c.choices[0].text for c in api.completions.create(
+        model=MODEL, prompt=case["prompt"], max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed.startswith(case["prompt"])

@@ -11,7 +11,7 @@ import dataclasses
 import anyio
 import pytest
 import torch
-from sampling_reference import slow_greedy
+from sampling_reference import slow_greedy, slow_prompt_logprobs
 from serving_harness import assert_baseline, serve_all, small_config, start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
@@ -68,6 +68,36 @@ async def test_penalties_and_bias_equal_the_slow_reference_and_logprobs_are_the_
     assert 11 not in [t for out in results for t in out.ids]  # biased away
     await wait_idle(serving.scheduler)
     assert_baseline(serving.scheduler)
+    await serving.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["colocated", "inprocess", "tcp"])
+async def test_prompt_logprobs_are_the_models_across_chunks_even_for_a_cached_prompt(
+        tiny: Checkpoint, mode: str, task_group: anyio.abc.TaskGroup) -> None:
+    """A 40-token prompt prefilled in chunks of 16: every prompt token after the first gets the
+    model's log-probability given the tokens before it; a prompt whose pages are cached is
+    computed again for it; a request of one token carries them on its only delta."""
+    prompt = prompts(1, seed=9)[0] * 3
+    prompt = (prompt + list(range(40, 80)))[:40]
+    model = LlamaModel(tiny, torch.float32)
+    want = slow_prompt_logprobs(OfflineEngine(ModelRunner(model, KVPool(model.config, 64, PAGE, torch.float32)),
+                                              tiny.tokenizer, chunk_tokens=16), prompt)
+    serving = await start_serving(task_group, tiny, mode, config(mode), num_pages=64)
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    [cold] = await serve_all(serving.scheduler, [prompt], [plain])  # caches its full pages
+    assert cold.prompt_logprobs == []
+    scored = [dataclasses.replace(plain, prompt_logprobs=2), dataclasses.replace(plain, prompt_logprobs=0, max_tokens=1)]
+    results = await serve_all(serving.scheduler, [prompt, prompt], scored)
+    for out, top in zip(results, (2, 0)):
+        assert len(out.prompt_logprobs) == len(prompt) - 1 and out.end == "length"
+        for k, entry in enumerate(out.prompt_logprobs):
+            lp = want[k]
+            assert entry.logprob == pytest.approx(lp[prompt[k + 1]].item(), abs=1e-4)
+            assert entry.top_ids == lp.topk(top).indices.tolist()
+            assert entry.top_logprobs == pytest.approx(lp.topk(top).values.tolist(), abs=1e-4)
+    assert results[0].ids == cold.ids  # scoring changes nothing of the output
+    await wait_idle(serving.scheduler)
     await serving.aclose()
 
 
