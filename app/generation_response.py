@@ -38,6 +38,7 @@ from kvfence.app.http_errors import error_envelope, error_response, for_client, 
 from kvfence.app.logprobs_shape import TokenPieces
 from kvfence.app.response_shape import ResponseShape
 from kvfence.app.stall import SendWatch
+from kvfence.app.tool_parsers import CallHoldback
 from kvfence.app.tools import ToolPlan
 from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
@@ -89,6 +90,7 @@ class _Choice:
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     echoed: bool = False  # a stream sent the prompt (echo)
+    holdback: CallHoldback = dataclasses.field(default_factory=CallHoldback)  # a stream's calls in a syntax (auto)
     ended: bool = False  # its terminal delta was seen
     finish_reason: str | None = None
     cached_tokens: int = 0
@@ -185,7 +187,7 @@ class GenerationResponse(Response):
         `whole` response, the text of a streamed tool call, the count for any other stream."""
         choice = self.choices[index]
         choice.num_tokens += len(delta.token_ids)
-        if whole or self.shape.tools is not None:
+        if whole or (self.shape.tools is not None and self.shape.tools.syntax is None):
             choice.texts.append(delta.text)
         if whole:
             choice.token_ids += delta.token_ids
@@ -249,20 +251,24 @@ class GenerationResponse(Response):
                     failure = self._failed(delta.error)
                     break
                 choice = self._take(index, delta, whole=False)
-                tools = self.shape.tools is not None  # tool calls are sent whole, once the grammar completed them
+                plan = self.shape.tools
                 text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
                 if not choice.echoed:
                     choice.echoed = True
                     text, token_ids, logprobs = self._echoed(text, token_ids, logprobs, delta.prompt_logprobs)
+                if plan is not None and plan.syntax is not None:  # text until a call may start
+                    text = choice.holdback.feed(text)
                 carries_logprobs = self.shape.logprobs and token_ids
-                if not tools and (text or carries_logprobs
-                                  or (delta.finish_reason is not None and not self.shape.chat)):
+                whole_calls = plan is not None and plan.syntax is None  # sent once the grammar completed them
+                if not whole_calls and (text or carries_logprobs
+                                        or (delta.finish_reason is not None and not self.shape.chat)):
                     await event(self.shape.chunk(text, None if self.shape.chat else delta.finish_reason,
                                                  token_ids=token_ids, logprobs=logprobs, index=index))
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason
-                    if tools:
-                        calls, reason = self.shape.tool_chunk("".join(choice.texts), reason, index)
+                    held = "".join(choice.texts) if whole_calls else choice.holdback.held()
+                    if plan is not None and (whole_calls or held):
+                        calls, reason = self.shape.tool_chunk(held, reason, index)
                         await event(calls)
                     if self.shape.chat:
                         await event(self.shape.chunk(None, reason, index=index))

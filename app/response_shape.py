@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from kvfence.app import openai_responses as r
-from kvfence.app.tools import ToolCall, ToolCallDelta, ToolPlan, tool_calls
+from kvfence.app.tools import ToolCall, ToolCallDelta, ToolPlan, read_calls
 from kvfence.app.logprobs_shape import CompletionLogprobsBuilder, TokenPieces, chat_logprobs
 from kvfence.engine.logprobs import TokenLogprobs
 
@@ -72,10 +72,10 @@ class ResponseShape:
         `logprobs` when asked for; None for a completion's echoed first prompt token), ended with
         `finish_reason`."""
         if self.chat:
-            calls = self._calls(text, finish_reason)
-            message = (r.AssistantMessage(content=text) if calls is None else
-                       r.AssistantMessage(content=None, tool_calls=calls))
-            return r.ChatChoice(index=index, message=message, finish_reason="tool_calls" if calls else finish_reason,
+            made = self._calls(text, finish_reason)
+            message = (r.AssistantMessage(content=text) if made is None else
+                       r.AssistantMessage(content=made[0], tool_calls=made[1]))
+            return r.ChatChoice(index=index, message=message, finish_reason="tool_calls" if made else finish_reason,
                                 logprobs=self._chat_logprobs(token_ids, logprobs))
         return r.CompletionChoice(index=index, text=text, finish_reason=finish_reason,
                                   logprobs=self._text_logprobs(index, token_ids, logprobs))
@@ -86,19 +86,24 @@ class ResponseShape:
             return r.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         return r.TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=choices)
 
-    def _calls(self, text: str, finish_reason: str) -> list[ToolCall] | None:
-        """The tool calls of a completed output (None: text, or a call cut short by max_tokens)."""
+    def _calls(self, text: str, finish_reason: str) -> tuple[str | None, list[ToolCall]] | None:
+        """(content, calls) of a completed output that makes tool calls; None: text only (no
+        call, or one cut short by max_tokens)."""
         if self.tools is None or finish_reason != "stop":
             return None
-        return tool_calls(self.tools, text)
+        content, calls = read_calls(self.tools, text)
+        return (content, calls) if calls else None
 
     def tool_chunk(self, text: str, finish_reason: str, index: int = 0) -> tuple[msgspec.Struct, str]:
-        """The chunk that streams choice `index` of a tool-call request, and the finish reason to
-        send: its calls and "tool_calls", or (cut short) its text as content and `finish_reason`."""
-        calls = self._calls(text, finish_reason)
-        if calls is None:
+        """The chunk that streams the held output `text` of choice `index` of a tool-call
+        request, and the finish reason to send: its calls (and any content before them) and
+        "tool_calls", or (no call, or cut short) its text as content and `finish_reason`."""
+        made = self._calls(text, finish_reason)
+        if made is None:
             return self.chunk(text, None, index=index), finish_reason
+        content, calls = made
         deltas = [ToolCallDelta(index=i, id=c.id, function=c.function) for i, c in enumerate(calls)]
-        choice = r.ChatChunkChoice(index=index, delta=r.ChatDelta(tool_calls=deltas))
+        delta = r.ChatDelta(content=msgspec.UNSET if content is None else content, tool_calls=deltas)
+        choice = r.ChatChunkChoice(index=index, delta=delta)
         return r.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
                                      choices=[choice]), "tool_calls"

@@ -7,7 +7,10 @@
   Either way a grammar (engine/grammar.py) makes the model produce exactly that JSON, and the
   response carries `tool_calls` with `finish_reason: "tool_calls"`.
 - `"auto"` (the default when tools are given) needs a chat template that renders tools, so that
-  the model can choose; otherwise it is a 400 that says so. `"none"`: the tools are only rendered.
+  the model can choose, in a call syntax this server reads (app/tool_parsers.py: Hermes'
+  `<tool_call>` blocks); otherwise it is a 400 that says so. The output is not constrained: the
+  calls the model wrote are read from it, and any text before them is the message's content.
+  `"none"`: the tools are only rendered.
 - Tool schemas are checked at the API: a name used twice, a named choice no tool has, or
   parameters that are not a compilable JSON schema are 400s naming the field.
 
@@ -23,6 +26,7 @@ from typing import Any
 
 from msgspec import Struct
 
+from kvfence.app.tool_parsers import call_syntax, split_calls
 from kvfence.engine.grammar import check_grammar, grammar_spec
 from kvfence.scheduler.errors import RequestError
 
@@ -71,11 +75,13 @@ class ToolCallDelta(Struct, kw_only=True):
 @dataclasses.dataclass(frozen=True)
 class ToolPlan:
     """How a request's output becomes tool calls: `named` (the output is that function's
-    arguments) or every name in `names` (the output is a list of calls); `grammar` makes it so."""
+    arguments) or every name in `names` (the output is a list of calls), which `grammar` makes
+    it; or (`syntax`, with "auto") the calls the model chose to write in that syntax, if any."""
 
     names: tuple[str, ...]
     named: str | None
-    grammar: str
+    grammar: str | None
+    syntax: str | None = None
 
 
 def _invalid(param: str, message: str, code: str = "invalid_value") -> RequestError:
@@ -108,8 +114,12 @@ def plan_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | No
         if chat_template is None or "tools" not in chat_template:
             raise _invalid("tool_choice", "tool_choice 'auto' needs a chat template that renders tools, and this "
                            "model's does not: send tool_choice 'required' or name a function", "unsupported_value")
-        raise _invalid("tool_choice", "tool_choice 'auto' is not supported yet: send 'required' or name a function",
-                       "unsupported_value")
+        syntax = call_syntax(chat_template)
+        if syntax is None:
+            raise _invalid("tool_choice", "tool_choice 'auto' needs to read the calls in the model's own syntax, and "
+                           "this model's chat template teaches one this server does not read (it reads <tool_call> "
+                           "blocks): send tool_choice 'required' or name a function", "unsupported_value")
+        return ToolPlan(tuple(params), None, None, syntax)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in params:
             raise _invalid("tool_choice.function.name", f"no tool is named {choice.function.name!r}")
@@ -124,19 +134,26 @@ def plan_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | No
     return ToolPlan(tuple(params), None, grammar_spec("json_schema", calls, strict=True))
 
 
-def tool_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The calls the output `text` makes, or None when it is not a complete call (it stopped at
-    max_tokens): the grammar admits nothing else."""
+def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a complete output: with a grammar, no content and the calls its JSON
+    holds ((text, []) if it is not complete JSON: it stopped at max_tokens); with a call syntax,
+    the text before the calls (app/tool_parsers.py) and the calls, if the model made any."""
+    if plan.syntax is not None:
+        content, pairs = split_calls(text, plan.names)
+        return content, [_call(name, args) for name, args in pairs]
     try:
         parsed = json.loads(text)
     except ValueError:
-        return None
+        return text, []
     if plan.named is not None:
-        pairs = [(plan.named, parsed)]
+        pairs = [(plan.named, json.dumps(parsed))]
     else:
-        pairs = [(call["name"], call["parameters"]) for call in parsed]
-    return [ToolCall(id="call_" + secrets.token_hex(12), function=CalledFunction(name=name, arguments=json.dumps(args)))
-            for name, args in pairs]
+        pairs = [(call["name"], json.dumps(call["parameters"])) for call in parsed]
+    return None, [_call(name, args) for name, args in pairs]
+
+
+def _call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id="call_" + secrets.token_hex(12), function=CalledFunction(name=name, arguments=arguments))
 
 
 def message_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:

@@ -455,6 +455,40 @@ def test_echo_sends_the_prompt_and_its_logprobs_before_the_output(stream: bool) 
     assert plain.samples[0][0].prompt_logprobs is None  # nothing to score without logprobs
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_reads_the_calls_the_model_wrote(stream: bool) -> None:
+    # renders the tools' names and teaches <tool_call> blocks (a short one: the context here is 48 bytes)
+    template = "{% if tools %}<tool_call>{% for t in tools %}{{ t.function.name }}{% endfor %}{% endif %}" + CHAT_TEMPLATE
+    engine = StubEngine("idle", make_tokenizer(template))
+    pieces = ["Checking", ". <tool", '_call>{"name": "weather", ', '"arguments": {"city": "Oslo"}}</tool_call>']
+
+    def feed(handles: list[RequestHandle]) -> None:
+        for piece in pieces:
+            handles[0].push(OutputDelta(piece, [1]))
+        handles[0].push(OutputDelta("", [], finish_reason="stop"))
+
+    _, events = run_fed(engine, CHAT, chat_body(tools=[WEATHER_TOOL], stream=stream), feed)
+    assert engine.samples[0][0].grammar is None  # auto does not constrain the output
+    prompt = engine.tokenizer.decode(engine.submitted[0][0])
+    assert prompt.startswith("<tool_call>weather")  # the template rendered the tools
+    if stream:
+        deltas = [c["delta"] for e in events if e != "[DONE]" for c in e["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
+        [calls] = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
+        finish = [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
+    else:
+        message = events[0]["choices"][0]["message"]
+        assert message["content"] == "Checking."
+        calls, finish = message["tool_calls"], [events[0]["choices"][0]["finish_reason"]]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Oslo"})]
+    assert finish == ["tool_calls"]
+
+
 def test_a_client_that_leaves_aborts_every_sample() -> None:
     engine = StubEngine("idle")
     run_until_disconnect(engine, CHAT, chat_body(n=3, stream=True))

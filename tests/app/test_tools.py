@@ -10,13 +10,19 @@ import msgspec
 import pytest
 
 from kvfence.app import openai_schemas as s
-from kvfence.app.tools import Tool, ToolPlan, plan_tools, tool_calls
+from kvfence.app.tool_parsers import CallHoldback, split_calls
+from kvfence.app.tools import Tool, ToolPlan, plan_tools, read_calls
 from kvfence.scheduler.errors import RequestError
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "required": ["city"], "additionalProperties": False, "properties": {"city": {"type": "string"}}}}}
 TIME = {"type": "function", "function": {"name": "time"}}  # no parameters: an empty object
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# renders tools and teaches Hermes' <tool_call> blocks, as Qwen2.5's template does
+HERMES_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> Call one as "
+                   "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>{% endif %}"
+                   "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+OTHER_SYNTAX = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def tools(*defs: dict) -> list[Tool]:
@@ -32,8 +38,8 @@ def test_a_named_function_asks_for_its_arguments() -> None:
                                                             s.NamedToolChoice), None, TEMPLATE)
     assert plan is not None and plan.named == "weather"
     assert schema_of(plan) == WEATHER["function"]["parameters"]
-    calls = tool_calls(plan, '{"city":"Oslo"}')
-    assert calls is not None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+    content, calls = read_calls(plan, '{"city":"Oslo"}')
+    assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("weather", {"city": "Oslo"})]
     assert calls[0].id.startswith("call_") and len(calls[0].id) == 29
 
@@ -47,11 +53,12 @@ def test_required_asks_for_a_list_of_calls_of_the_given_tools() -> None:
     for bad in ([], [{"name": "other", "parameters": {}}], [{"name": "weather", "parameters": {}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    calls = tool_calls(plan, json.dumps(good))
-    assert [c.function.name for c in calls or []] == ["weather", "time"]
+    _, calls = read_calls(plan, json.dumps(good))
+    assert [c.function.name for c in calls] == ["weather", "time"]
     single = plan_tools(tools(WEATHER, TIME), "required", False, TEMPLATE)
     assert single is not None and schema_of(single)["maxItems"] == 1
-    assert tool_calls(plan, '[{"name": "weather", "parameters": {"ci') is None  # cut short by max_tokens
+    cut = '[{"name": "weather", "parameters": {"ci'  # cut short by max_tokens: text, no call
+    assert read_calls(plan, cut) == (cut, [])
 
 
 @pytest.mark.parametrize("defs,choice,param,code", [
@@ -71,6 +78,43 @@ def test_what_cannot_be_planned_is_a_400_naming_the_field(defs: tuple, choice: o
     with pytest.raises(RequestError) as info:
         plan_tools(tools(*defs) if defs else None, choice, None, TEMPLATE)  # type: ignore[arg-type]
     assert (info.value.status, info.value.param, info.value.code) == (400, param, code)
+
+
+def test_auto_reads_the_calls_of_a_template_that_teaches_tool_call_blocks() -> None:
+    for choice in (None, "auto"):  # auto is the default with tools
+        plan = plan_tools(tools(WEATHER, TIME), choice, None, HERMES_TEMPLATE)
+        assert plan is not None and (plan.syntax, plan.grammar, plan.names) == ("hermes", None, ("weather", "time"))
+    with pytest.raises(RequestError) as info:  # renders tools, but in a syntax nothing here reads
+        plan_tools(tools(WEATHER), "auto", None, OTHER_SYNTAX)
+    assert (info.value.param, info.value.code) == ("tool_choice", "unsupported_value")
+    assert "<tool_call>" in info.value.message
+
+
+NAMES = ("weather", "time")
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text,want", [
+    ("It is sunny.", ("It is sunny.", [])),
+    (CALL, (None, [("weather", '{"city": "Oslo"}')])),
+    ("Let me look.\n" + CALL + CALL.replace("weather", "time").replace('{"city": "Oslo"}', "{}"),
+     ("Let me look.", [("weather", '{"city": "Oslo"}'), ("time", "{}")])),
+    (CALL.removesuffix("</tool_call>"), (None, [("weather", '{"city": "Oslo"}')])),  # ended right after the call
+    (CALL.replace("weather", "stocks"), (CALL.replace("weather", "stocks"), [])),  # not a tool it was given
+    (CALL[:40], (CALL[:40], [])),  # cut short
+    ('<tool_call>{"name": "time", "arguments": 3}</tool_call>', ('<tool_call>{"name": "time", "arguments": 3}</tool_call>', [])),
+])
+def test_tool_call_blocks_are_read_or_the_whole_output_is_content(text: str, want: tuple) -> None:
+    assert split_calls(text, NAMES) == want
+
+
+def test_a_stream_holds_back_only_what_may_start_a_call() -> None:
+    hold = CallHoldback()
+    assert [hold.feed(t) for t in ("Let me", " look <", "b>. <tool", "_call>{\"na", "me\"")] == [
+        "Let me", " look ", "<b>. ", "", ""]
+    assert hold.calling and hold.held() == '<tool_call>{"name"'
+    plain = CallHoldback()
+    assert [plain.feed(t) for t in ("a <", "tool")] == ["a ", ""] and plain.held() == "<tool" and not plain.calling
 
 
 def test_none_only_renders_the_tools() -> None:
