@@ -4,8 +4,9 @@
 Also reports, for kvfence servers, the mean KV hand-off per level (prefill done -> KV landed in
 the decode pool, from /metrics' kvfence_kv_handoff_seconds).
 
-Sends streaming /v1/completions requests with `ignore_eos` so every request produces exactly
---output-tokens tokens. Either a fixed number of requests in flight (--concurrency, a list runs
+Sends streaming /v1/completions requests (--chat: /v1/chat/completions, one user message) with
+`ignore_eos` so every request produces exactly --output-tokens tokens; --extra adds JSON fields
+to every body (e.g. '{"cache_prompt": false}' for llama.cpp's server). Either a fixed number of requests in flight (--concurrency, a list runs
 each level in turn) or an open-loop Poisson arrival rate (--request-rate, requests/s).
 
   .venv/bin/python scripts/bench_serve.py --url http://127.0.0.1:8000 --concurrency 1,4,16 \
@@ -36,11 +37,13 @@ def percentile(values: list[float], q: float) -> float:
 
 async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, rng: random.Random) -> dict:
     prompt = " ".join(rng.choice(WORDS) for _ in range(args.prompt_tokens))
-    body = {"model": args.model, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    chat = getattr(args, "chat", False)
+    body = {"model": args.model, "max_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, **json.loads(getattr(args, "extra", None) or "{}"),
+            **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})}
     start = time.perf_counter()
     stamps: list[float] = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+    async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
             return {"error": r.status_code}
@@ -48,7 +51,8 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, rng: 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            choice = (chunk.get("choices") or [{}])[0]
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
                 stamps.append(time.perf_counter())
     end = time.perf_counter()
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -73,7 +77,10 @@ async def handoff_totals(client: httpx.AsyncClient) -> tuple[float, float]:
 
 async def run_level(args: argparse.Namespace, concurrency: int | None, rate: float | None) -> dict:
     rng = random.Random(0)
-    limits = httpx.Limits(max_connections=(concurrency or 256) + 4)
+    # a fresh connection per request with `no_keepalive` (llama.cpp's server may close an idle one
+    # just as a client reuses it)
+    limits = httpx.Limits(max_connections=(concurrency or 256) + 4,
+                          max_keepalive_connections=0 if getattr(args, "no_keepalive", False) else None)
     async with httpx.AsyncClient(base_url=args.url, timeout=600, limits=limits) as client:
         handoff_before = await handoff_totals(client)
         results: list[dict] = []
@@ -116,6 +123,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32, help="requests per level")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length (one word ≈ one token)")
     ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--chat", action="store_true", help="chat completions instead of completions")
+    ap.add_argument("--extra", default="", help="JSON object of fields added to every request body")
     args = ap.parse_args()
     levels = [(None, args.request_rate)] if args.request_rate else \
         [(int(c), None) for c in args.concurrency.split(",")]

@@ -237,7 +237,8 @@ MALFORMED = [
     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bootstrap_room": 7}).encode(),
     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                 "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}).encode(),
-    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(),
+    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 500}).encode(),
+    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True}).encode(),
     json.dumps({"model": MODEL, "prompt": []}).encode(),
 ]
 

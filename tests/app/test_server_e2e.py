@@ -48,6 +48,13 @@ def server(request: pytest.FixtureRequest, default_model_path: Path,
     yield from serving(srv)
 
 
+def over_tcp_and_colocated(srv: ServerProcess, why: str) -> None:
+    """Skip in the nixl and mooncake modes a test whose subject is not the KV transport (they
+    move the same pages as tcp: the references, streams, disconnects and refusals run over them)."""
+    if srv.mode not in ("tcp", "colocated"):  # type: ignore[attr-defined]
+        pytest.skip(f"{why}: tested over tcp and colocated")
+
+
 def wait_baseline(srv: ServerProcess) -> None:
     deadline = time.monotonic() + 10
     while any(srv.pages_in_use().values()) and time.monotonic() < deadline:
@@ -120,6 +127,7 @@ def solo_outputs() -> dict[str, list[str]]:
 
 def test_sixteen_concurrent_streams_equal_solo(server: ServerProcess, reference: dict,
                                                solo_outputs: dict[str, list[str]]) -> None:
+    over_tcp_and_colocated(server, "batching across requests is the scheduler's, not the transport's")
     prompts = [(c["messages"] if c["kind"] == "chat" else c["prompt"], 4 + 2 * i)
                for i, c in enumerate(reference["cases"] * 2)]
 
@@ -245,7 +253,7 @@ def test_same_client_request_id_twice(server: ServerProcess, reference: dict) ->
     # the client's id comes back with each response and is in the log line of each, next to the
     # server's own distinct id: both requests are observably served
     assert [r.headers["x-request-id"] for r in responses] == ["same", "same"]
-    admitted = re.findall(r"request ([0-9a-f]{32}) admitted: tenant anonymous, \d+ prompt tokens, "
+    admitted = re.findall(r"request ([0-9a-f]{32}) admitted: tenant anonymous, \d+ prompt tokens, 1 samples, "
                           r"client request id 'same', "
                           r"user 'same'", server.log())
     assert {f"chatcmpl-{i}" for i in admitted} >= {r["id"] for r in out}
@@ -257,6 +265,8 @@ def test_a_growing_conversation_is_cached_every_turn_and_answers_as_a_cold_run(
     """One chat growing over 8 turns: every turn after the first finds the conversation so far in the
     prefix cache (`usage.prompt_tokens_details.cached_tokens`, whole pages of it) and answers exactly
     as a cold run of the same turn (a fresh `cache_salt` shares nothing), in every mode."""
+    over_tcp_and_colocated(server, "the cache and its transfer plan are the scheduler's (the plan's page moves "
+                                   "over every transport: tests/scheduler/test_canary_isolation.py)")
     messages = [{"role": "system", "content": "You are a terse assistant who answers in a few words. " * 4}]
     previous_prompt = 0
     for turn in range(8):
@@ -285,8 +295,7 @@ def api(server: ServerProcess, client: openai.OpenAI) -> openai.OpenAI:
     """The client, in the two modes these features are tested in: they run where tokens are
     sampled and never touch the KV transport, so disaggregated over tcp and colocated cover them
     (nixl and mooncake move the same KV as tcp, tested above)."""
-    if server.mode not in ("tcp", "colocated"):  # type: ignore[attr-defined]
-        pytest.skip("sampling features are transport-independent: tested over tcp and colocated")
+    over_tcp_and_colocated(server, "sampling features are transport-independent")
     return client
 
 PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {"30": 4.0},
