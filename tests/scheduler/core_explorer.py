@@ -44,13 +44,12 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 from kvfence.scheduler.errors import AdmissionRejected
 from kvfence.engine.ids import id_hex
-from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.worker_binding import WorkerBinding
 from kvfence.transports.base import TransferManifest
 from kvfence.transports.core.receiver_state import ReceiverState
+from sim_worker import Broken, SimWorker
 
-TOKEN = 7  # the token every step samples (never an EOS id of the tiny tokenizer)
 
 
 class Violation(AssertionError):
@@ -58,10 +57,6 @@ class Violation(AssertionError):
         super().__init__(f"{what}\nshortest trace ({len(trace)} events):\n  " + "\n  ".join(trace))
         self.what = what
         self.trace = trace
-
-
-class Broken(Exception):
-    """An invariant broke inside an event (the explorer adds the trace)."""
 
 
 @dataclasses.dataclass
@@ -76,80 +71,6 @@ class Budget:
     transfer_faults: int = 1  # quiet or loud failures, in all
     flushes: int = 0  # POST /admin/flush_cache
     losses: int = 0  # workers lost (control connection dropped)
-
-
-@dataclasses.dataclass
-class SimWorker:
-    """What a worker does to its pool's pages: owner tags and who last wrote each token slot."""
-
-    name: str
-    page_size: int
-    incarnation: int = 1
-    tags: dict[int, int] = dataclasses.field(default_factory=dict)  # page -> lease (absent: free)
-    slots: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (page, slot) -> writer lease
-    page_tables: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # lease -> its pages, in order
-    tenants: dict[int, str] = dataclasses.field(default_factory=dict)  # lease -> the tenant its grant named
-    message: RunStep | None = None  # the step in flight
-
-    def inc(self) -> str:
-        return f"{self.name}-{self.incarnation}"
-
-    def run(self, msg: RunStep, fail: bool = False) -> WorkerReply:
-        """Apply `msg` as engine/worker.py does; `fail`: its forward fails after the tag changes
-        were applied (a worker that cannot apply them restarts instead)."""
-        if msg.incarnation and msg.incarnation != self.inc():
-            return StepFailed(msg.step_id, "restarted", self.inc(), stale_incarnation=True)
-        for page in msg.released:
-            self.tags.pop(page, None)
-            for slot in range(self.page_size):
-                self.slots.pop((page, slot), None)
-        for grant in msg.grants:
-            if not grant.tenant:
-                raise Broken(f"a grant of lease {id_hex(grant.lease)[-6:]} does not name its tenant")
-            self.tenants[grant.lease] = grant.tenant
-            for page in grant.pages:
-                self.tags[page] = grant.lease
-        for landing in msg.landed:  # the sanitizer learns who wrote a landed transfer
-            self.write(landing.lease, landing.pages, landing.first_token, landing.num_tokens)
-        for seal in msg.sealed:  # read-only from now on, readable by the tenant's seal
-            for page in seal.pages:
-                self.tags[page] = seal.seal
-                for slot in range(self.page_size):
-                    if self.slots.get((page, slot)) == seal.lease:
-                        self.slots[(page, slot)] = seal.seal
-                    else:
-                        self.slots.pop((page, slot), None)
-        for lease in msg.ended:
-            self.page_tables.pop(lease, None)
-            self.tenants.pop(lease, None)
-        for seq in msg.seqs:
-            self.page_tables.setdefault(seq.lease, []).extend(seq.new_pages)
-        if fail:
-            return StepFailed(msg.step_id, "injected", self.inc())
-        tokens: list[int | None] = []
-        for seq in msg.seqs:
-            lease, table = seq.lease, self.page_tables[seq.lease]
-            end = seq.context_tokens + len(seq.token_ids)
-            if len(table) * self.page_size < end:
-                raise Broken(f"{self.name} worker: the page table of lease {id_hex(lease)[-6:]} holds {len(table)} "
-                             f"pages, too few for {end} tokens")
-            read_only = seq.context_tokens // self.page_size  # pages before the first one it writes
-            for pos in range(end):
-                page = table[pos // self.page_size]
-                allowed = (lease, seq.seal) if seq.seal and pos // self.page_size < read_only else (lease,)
-                if self.tags.get(page) not in allowed:
-                    raise Broken(f"{self.name} worker: seq of lease {id_hex(lease)[-6:]} touches page {page} tagged "
-                                 f"{id_hex(self.tags.get(page, 0))[-6:]}")
-                if pos < seq.context_tokens and self.slots.get((page, pos % self.page_size)) not in (lease, seq.seal or lease):
-                    raise Broken(f"{self.name} worker: lease {seq.lease[-6:]} reads token {pos} (page {page}) "
-                                 f"that it did not write")
-            self.write(lease, table, seq.context_tokens, end)
-            tokens.append(TOKEN if seq.sampling is not None else None)
-        return StepDone(msg.step_id, tokens, incarnation=self.inc())
-
-    def write(self, lease: int, pages: list[int], start: int, end: int) -> None:
-        for pos in range(start, end):
-            self.slots[(pages[pos // self.page_size], pos % self.page_size)] = lease
 
 
 @dataclasses.dataclass

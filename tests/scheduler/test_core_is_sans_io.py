@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 SCHEDULER = Path(__file__).resolve().parents[2] / "scheduler"
-CORE_MODULES = ["core.py", "reservation.py", "preemption.py", "admission.py", "policy.py", "lease_table.py", "page_ledger.py",
+CORE_MODULES = ["core.py", "reservation.py", "preemption.py", "worker_events.py", "admission.py", "policy.py", "lease_table.py", "page_ledger.py",
                 "worker_binding.py", "request.py", "output.py", "actions.py", "errors.py", "config.py", "tenants.py",
                 "prefix_cache.py", "router.py"]
 FORBIDDEN_IMPORTS = {"anyio", "asyncio", "time", "trio", "socket", "threading"}
