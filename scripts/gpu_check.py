@@ -8,8 +8,11 @@ Sections, each guarded (a failure is reported and the next one runs) and time-bo
    ~4.8 TB/s, the fused owner check's cost (CHECK_OWNER on vs off), the torch path's time, and
    the largest difference between the two;
 3. server smoke test: `kvfence serve` in bf16 on cuda:0 (prefill and decode), one chat request,
-   a non-empty reply. The default model when it is in KVFENCE_HOME (or --model), else a stand-in:
-   random weights in the default model's architecture, written with tests/tiny_models.py.
+   a non-empty reply; then the same server under load (scripts/bench_serve.py: streamed
+   completions of ≈128 prompt words and 64 tokens at 1, 16 and 64 concurrent streams, every guard
+   on): output tok/s, TTFT and ITL per level. The default model when it is in KVFENCE_HOME (or
+   --model), else a stand-in: random weights in the default model's architecture, written with
+   tests/tiny_models.py.
 
 --dry-run runs the same code on the CPU under the Triton interpreter at tiny sizes (the server in
 float32 with a 2-layer random model): it proves the script, not the GPU.
@@ -229,7 +232,8 @@ def server_smoke(args: argparse.Namespace) -> tuple[bool, list[str]]:
                      f"{body.get('usage', {}).get('completion_tokens')} tokens: {text[:80]!r}")
         attention = re.findall(r".*attention.*", log_path.read_text())
         lines += [f"log: {line.strip()[:120]}" for line in attention[:3]]
-        return reply.status_code == 200 and bool(text.strip()), lines
+        loaded, load_lines = serving_load(base, name, args)
+        return reply.status_code == 200 and bool(text.strip()) and loaded, lines + load_lines
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -237,6 +241,26 @@ def server_smoke(args: argparse.Namespace) -> tuple[bool, list[str]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def serving_load(base: str, model: str, args: argparse.Namespace) -> tuple[bool, list[str]]:
+    """The server at `base` under streamed load at each level (scripts/bench_serve.py), one line
+    each; False if any request failed."""
+    import asyncio
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_serve
+
+    levels, requests, prompt, tokens = ([1, 2], 4, 16, 8) if args.dry_run else ([1, 16, 64], 0, 128, 64)
+    ok, lines = True, []
+    for c in levels:
+        bench = argparse.Namespace(url=base, model=model, requests=requests or max(16, 2 * c), prompt_tokens=prompt,
+                                   output_tokens=tokens, chat=False, extra="")
+        r = asyncio.run(bench_serve.run_level(bench, c, None))
+        ok = ok and r["errors"] == 0
+        lines.append(f"load c={c}: {r['ok']} ok, {r['errors']} errors, {r['output_tok_s']:.0f} tok/s, TTFT p50 "
+                     f"{r['ttft_p50'] * 1e3:.0f} / p99 {r['ttft_p99'] * 1e3:.0f} ms, ITL p50 {r['itl_p50'] * 1e3:.1f} ms")
+    return ok, lines
 
 
 def environment() -> list[str]:
