@@ -42,11 +42,15 @@ async def run(handle: RequestHandle) -> tuple[list[int], int, str | None]:
     raise AssertionError("no terminal delta")
 
 
+def cache_config(mode: str, max_queue: int = 16) -> SchedulerConfig:
+    """Pages of 4 tokens, a context of 96, 8 running; colocated or disaggregated by `mode`."""
+    return SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=96, max_running=8, max_queue=max_queue,
+                           chunk_tokens=16, disaggregated=mode != "colocated", transfer_timeout_s=10)
+
+
 @pytest.fixture(params=["colocated", "inprocess", "tcp"])
 async def serving(request: pytest.FixtureRequest, tiny: Checkpoint) -> AsyncIterator[Serving]:
-    config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=96, max_running=8, max_queue=16,
-                             chunk_tokens=16, disaggregated=request.param != "colocated", transfer_timeout_s=10)
-    async with serving_in(tiny, request.param, config, num_pages=48) as s:
+    async with serving_in(tiny, request.param, cache_config(request.param), num_pages=48) as s:
         yield s
 
 

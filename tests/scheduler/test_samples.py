@@ -15,14 +15,12 @@ from serving_harness import Serving, read_each, serving_in, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.tenants import Tenant
-from test_prefix_cache import moved_pages, run
+from test_prefix_cache import cache_config, moved_pages, run
 from test_scheduler import offline_greedy
 
-PAGE = 4
 T = Tenant("t")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
@@ -31,9 +29,7 @@ PROMPT = list(range(20, 50))  # 30 tokens: 7 full pages shareable, the 8th holds
 
 @pytest.fixture(params=["colocated", "inprocess", "tcp"])
 async def serving(request: pytest.FixtureRequest, tiny: Checkpoint) -> AsyncIterator[Serving]:
-    config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=96, max_running=8, max_queue=6,
-                             chunk_tokens=16, disaggregated=request.param != "colocated", transfer_timeout_s=10)
-    async with serving_in(tiny, request.param, config, num_pages=48) as s:
+    async with serving_in(tiny, request.param, cache_config(request.param, max_queue=6), num_pages=48) as s:
         yield s
 
 
