@@ -226,16 +226,22 @@ def streams(front: ServerProcess, reference: dict, n: int, max_tokens: int) -> l
     return out
 
 
-def signalled_mid_stream(deployment: Deployment, reference: dict, worker: WorkerProcess,
-                         signum: signal.Signals) -> list[Stream]:
-    """Six streams, `signum` sent to `worker` once each has its first token; the streams, ended."""
+def signalled_mid_stream(deployment: Deployment, reference: dict,
+                         signum: signal.Signals) -> tuple[WorkerProcess, list[Stream]]:
+    """Six streams; once each has its first token, `signum` goes to the live decode worker holding
+    the most of their pages (the router spreads by load and cache affinity, so which one that is
+    is the router's choice). The worker, and the streams, ended."""
     running = streams(deployment.front, reference, 6, STREAM_TOKENS)
     for s in running:
         assert s.started.wait(120)
+    in_use = deployment.front.pages_in_use()
+    live = [w for w in deployment.workers if w.role == "decode" and w.proc.poll() is None]
+    worker = max(live, key=lambda w: in_use.get(f"decode@{w.control}", 0.0))
+    assert in_use.get(f"decode@{worker.control}", 0.0) > 0, in_use
     worker.proc.send_signal(signum)
     for s in running:
         s.join(180)
-    return running
+    return worker, running
 
 
 def all_served(front: ServerProcess, reference: dict, n: int) -> None:
@@ -286,8 +292,7 @@ def test_a_worker_with_an_incompatible_pool_is_refused_at_pairing(deployment: De
 def test_kill_9_of_a_decode_worker_mid_stream(deployment: Deployment, reference: dict) -> None:
     over_etcd(deployment)
     until(lambda: all(deployment.paired(w) for w in deployment.workers[1:]), 60, "both decode workers paired")
-    victim = deployment.workers[2]
-    running = signalled_mid_stream(deployment, reference, victim, signal.SIGKILL)
+    victim, running = signalled_mid_stream(deployment, reference, signal.SIGKILL)
     lost = [s for s in running if s.error is not None]
     assert lost, "no stream was on the killed worker"
     for s in lost:
@@ -337,8 +342,8 @@ def test_etcd_restarted_under_load(deployment: Deployment, reference: dict) -> N
 def test_sigterm_drains_a_decode_worker(deployment: Deployment, reference: dict) -> None:
     """Its streams finish, nothing new goes to it, it exits 0 and leaves etcd; the others serve."""
     over_etcd(deployment)
-    leaving = next(w for w in reversed(deployment.workers) if w.role == "decode" and w.proc.poll() is None)
-    for s in signalled_mid_stream(deployment, reference, leaving, signal.SIGTERM):
+    leaving, running = signalled_mid_stream(deployment, reference, signal.SIGTERM)
+    for s in running:
         assert s.error is None and s.text.startswith(s.case["text_until_eos"]), (s.error, s.case["id"])
     assert leaving.proc.wait(60) == 0, leaving.log()
     assert "draining" in leaving.log()
