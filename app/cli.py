@@ -149,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfence.engine.attention_backend import resolve_backend_name
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.compute import confine_to_one_intra_op_thread
-    from kvfence.engine.loading import pick_device, pick_dtype
+    from kvfence.engine.loading import checkpoint_cache, pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
     from kvfence.transports.core.secret import DeploymentSecret
 
@@ -172,7 +172,9 @@ def _serve(args: argparse.Namespace) -> int:
         resolve_context(config, model, plan_pools(config, model, element_size))
     else:
         parse_discovery(config.discovery)
-    checkpoint = load_checkpoint(path, weights=config.discovery is None)  # the workers hold the weights
+    # the workers hold the weights
+    checkpoint = load_checkpoint(path, weights=config.discovery is None,
+                                 cache_dir=checkpoint_cache(kvfence_home()))
     name = config.served_model_name or served_name(config.model)
     return anyio.run(serve, config, checkpoint, name, intra_op_threads)
 
@@ -188,7 +190,7 @@ def _worker(args: argparse.Namespace) -> int:
     from kvfence.app.worker_process import check_worker_settings, run_worker
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.compute import confine_to_one_intra_op_thread
-    from kvfence.engine.loading import pick_device, pick_dtype
+    from kvfence.engine.loading import checkpoint_cache, pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
     from kvfence.transports.core.secret import DeploymentSecret
     from kvfence.transports.wire.channel import split_address
@@ -204,7 +206,7 @@ def _worker(args: argparse.Namespace) -> int:
     model = _read_model_config(path)  # an undersized pool fails before any weight is read
     resolve_context(config, model, plan_pools(config, model, pick_dtype(config.workers.dtype,
                                                                         pick_device(args.device)).itemsize))
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, cache_dir=checkpoint_cache(kvfence_home()))
     name = config.served_model_name or served_name(config.model)
     return anyio.run(run_worker, config, checkpoint, name, args.role, args.device, args.control, args.advertise,
                      intra_op_threads)
@@ -214,6 +216,7 @@ def _read_model_config(path: Path):  # -> ModelConfig
     """The model's architecture from its GGUF metadata or config.json alone: no weights are read."""
     from kvfence.engine import gguf_loader, hf_loader
     from kvfence.engine.checkpoint import CheckpointError
+    from kvfence.engine.loading import checkpoint_cache
 
     if path.is_dir():
         cfg_path = path / "config.json"
@@ -224,7 +227,7 @@ def _read_model_config(path: Path):  # -> ModelConfig
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{cfg_path}: cannot read it ({e})") from e
         return hf_loader.config_from_hf(raw, str(path))
-    return gguf_loader.config_from_fields(gguf_loader._open(path), path)
+    return gguf_loader.config_from_fields(gguf_loader.read_metadata(path, checkpoint_cache(kvfence_home())), path)
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -88,14 +88,16 @@ def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source:
             raise CheckpointError(f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
 
 
-def load_checkpoint(path: str | Path, weights: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | Path, weights: bool = True, cache_dir: Path | None = None) -> Checkpoint:
     """Load a GGUF file or a Hugging Face model directory. Without `weights`: its config and
-    tokenizer only (`tensors` is empty: what a front end whose workers run elsewhere needs)."""
+    tokenizer only (`tensors` is empty: what a front end whose workers run elsewhere needs).
+    `cache_dir`: where a GGUF file's start-up cache lives (engine/gguf_cache.py; a directory of
+    safetensors loads fast already and is read as it is)."""
     from kvfence.engine import gguf_loader, hf_loader
 
     p = Path(path)
     if p.is_dir():
         return hf_loader.load_hf_dir(p, weights)
     if p.is_file():
-        return gguf_loader.load_gguf(p, weights)
+        return gguf_loader.load_gguf(p, weights, cache_dir)
     raise CheckpointError(f"{p}: no such file or directory")

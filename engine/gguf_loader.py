@@ -8,6 +8,7 @@ rotate-half RoPE that Hugging Face checkpoints use; mixing the two conventions i
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from kvfence.engine.checkpoint import Checkpoint, CheckpointError, check_tensors
+from kvfence.engine.gguf_cache import GGUFCache
 from kvfence.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvfence.engine.tokenizer import tokenizer_from_gguf_fields
 
@@ -42,6 +44,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency RoPE divisors, kept under the GGUF name
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Architectures whose Q/K weights the GGUF converter permuted for interleaved RoPE.
 _PERMUTED_QK_ARCHS = ("llama",)
@@ -82,11 +85,40 @@ def _open(path: Path) -> Any:
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+@dataclasses.dataclass(frozen=True)
+class GGUFMetadata:
+    """A GGUF file's key-value metadata (plain Python values) and the names of its tensors: all
+    that its config and tokenizer are built from."""
+
+    fields: dict[str, Any]
+    tensor_names: list[str]
+
+    def field(self, key: str, default: Any = None) -> Any:
+        value = self.fields.get(key)
+        return default if value is None else value
+
+
+def metadata_of(reader: Any) -> GGUFMetadata:
+    return GGUFMetadata(fields={key: f.contents() for key, f in reader.fields.items()},
+                        tensor_names=[t.name for t in reader.tensors])
+
+
+def read_metadata(path: Path, cache_dir: Path | None = None) -> GGUFMetadata:
+    """`path`'s metadata: from the start-up cache (engine/gguf_cache.py) when `cache_dir` holds
+    it, else parsed from the file (and stored there)."""
+    return _metadata(path, GGUFCache(cache_dir, path) if cache_dir is not None else None)[0]
+
+
+def _metadata(path: Path, cache: GGUFCache | None) -> tuple[GGUFMetadata, Any]:
+    """The metadata, and the file's reader when it had to be opened (else None)."""
+    meta = cache.metadata() if cache is not None else None
+    if meta is not None:
+        return meta, None
+    reader = _open(path)
+    meta = metadata_of(reader)
+    if cache is not None:
+        cache.store_metadata(meta)
+    return meta, reader
 
 
 def _float32_value(value: Any) -> float:
@@ -96,8 +128,8 @@ def _float32_value(value: Any) -> float:
     return float(str(np.float32(f))) if float(np.float32(f)) == f else f
 
 
-def config_from_fields(reader: Any, path: Path) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def config_from_fields(meta: GGUFMetadata, path: Path) -> ModelConfig:
+    arch = meta.field("general.architecture")
     if arch is None:
         raise CheckpointError(f"{path}: GGUF has no general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:  # before its keys: other families lack llama's keys
@@ -105,15 +137,15 @@ def config_from_fields(reader: Any, path: Path) -> ModelConfig:
                                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def get(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"{arch}.{key}", default)
+        value = meta.field(f"{arch}.{key}", default)
         if value is None:
             raise CheckpointError(f"{path}: GGUF is missing {arch}.{key}")
         return value
 
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_names = set(meta.tensor_names)
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    tokens = meta.field("tokenizer.ggml.tokens") or []
     try:
         return ModelConfig(
             architecture=str(arch),
@@ -152,21 +184,15 @@ def _dequantize(t: Any, path: Path) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
-    """Load `path` (without `weights`: its config and tokenizer only); raise CheckpointError (or
-    UnsupportedModelError) with the file named."""
-    reader = _open(path)
-    config = config_from_fields(reader, path)
+def _dequantized_tensors(reader: Any, config: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor the model uses, dequantized to float32 under its canonical name (Q/K
+    un-permuted), plus `rope_freqs.weight` when the file has it."""
     size = path.stat().st_size
     tensors: dict[str, torch.Tensor] = {}
-    rope_freq_factors = None
-    for t in reader.tensors if weights else ():
+    for t in reader.tensors:
         if int(t.data_offset) + int(t.n_bytes) > size:
             raise CheckpointError(f"{path}: truncated, tensor {t.name} ends past the end of the file")
-        if t.name == "rope_freqs.weight":
-            rope_freq_factors = _dequantize(t, path)
-            continue
-        name = canonical_name(t.name)
+        name = ROPE_FREQS if t.name == ROPE_FREQS else canonical_name(t.name)
         if name is None:
             continue
         w = _dequantize(t, path)
@@ -176,8 +202,28 @@ def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 w = unpermute_qk(w, config.num_kv_heads)
         tensors[name] = w
+    return tensors
+
+
+def load_gguf(path: Path, weights: bool = True, cache_dir: Path | None = None) -> Checkpoint:
+    """Load `path` (without `weights`: its config and tokenizer only); raise CheckpointError (or
+    UnsupportedModelError) with the file named. With `cache_dir`, what an earlier load of the same
+    file (same path, size and modification time) left there is read instead of the file
+    (engine/gguf_cache.py): start-up in seconds, the same checkpoint."""
+    cache = GGUFCache(cache_dir, path) if cache_dir is not None else None
+    meta, reader = _metadata(path, cache)
+    config = config_from_fields(meta, path)
+    tensors: dict[str, torch.Tensor] = {}
+    if weights:
+        cached = cache.tensors() if cache is not None else None
+        if cached is None:
+            cached = _dequantized_tensors(reader if reader is not None else _open(path), config, path)
+            if cache is not None:
+                cache.store_tensors(cached)
+        tensors = dict(cached)
+    rope_freq_factors = tensors.pop(ROPE_FREQS, None)
     if weights:
         check_tensors(config, tensors, str(path))
-    tokenizer = tokenizer_from_gguf_fields(lambda key: _field(reader, key), str(path))
+    tokenizer = tokenizer_from_gguf_fields(meta.field, str(path))
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
                       rope_freq_factors=rope_freq_factors)

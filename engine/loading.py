@@ -32,5 +32,10 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def checkpoint_cache(home: Path) -> Path:
+    """Where the start-up cache of the models under `home` lives (engine/gguf_cache.py)."""
+    return home / "cache"
+
+
 def load_model_spec(spec: str | None, home: Path, progress: bool = True) -> Checkpoint:
-    return load_checkpoint(resolve_model(spec, home, progress))
+    return load_checkpoint(resolve_model(spec, home, progress), cache_dir=checkpoint_cache(home))

@@ -10,6 +10,7 @@ import torch
 
 from kvfence.app.environment import kvfence_home
 from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
+from kvfence.engine.loading import checkpoint_cache
 from kvfence.engine.model_registry import resolve_model
 
 DATA = Path(__file__).parent / "data"
@@ -33,7 +34,7 @@ def default_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(default_model_path: Path) -> Checkpoint:
-    return load_checkpoint(default_model_path)
+    return load_checkpoint(default_model_path, cache_dir=checkpoint_cache(kvfence_home()))
 
 
 @pytest.fixture(scope="session")

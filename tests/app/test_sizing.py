@@ -29,7 +29,7 @@ TINY = ModelConfig("llama", num_layers=2, hidden_size=32, intermediate_size=64, 
 @pytest.fixture(scope="module")
 def smol(default_model_path: Path) -> ModelConfig:
     """The default model's architecture, from its GGUF metadata only."""
-    return gguf_loader.config_from_fields(gguf_loader._open(default_model_path), default_model_path)
+    return gguf_loader.config_from_fields(gguf_loader.read_metadata(default_model_path), default_model_path)
 
 
 def serve_config(**flags: object) -> ServeConfig:
