@@ -1,15 +1,20 @@
 """Linear layers with weights laid out once, at load, for the device's fastest GEMM.
 
-On the CPU, torch's default `F.linear` calls an sgemm that runs at about half the speed of
-oneDNN's on this class of machine (measured: 55 vs 122 GFLOP/s at batch 32 in fp32, 4 vs 8 at
-batch 1), so CPU weights are reordered into oneDNN's blocked layout and multiplied with its
-`_linear_pointwise` kernel. Everywhere else (CUDA) it is plain `F.linear`.
+On a CPU with AVX2 and FMA, float32 weights are packed for kernels/cpu_gemm.c, which streams each
+weight once per step and keeps the FMA units busy at every batch size (one thread, this machine:
+1.4-2.2x oneDNN's rate at 1 to 16 rows, level at 128; docs/benchmarks.md). Where it is
+unavailable (no AVX2, no C compiler, KVFENCE_CPU_GEMM=off), CPU weights are reordered into
+oneDNN's blocked layout for its `_linear_pointwise` kernel (torch's default `F.linear` sgemm runs
+at about half oneDNN's speed). Everywhere else (CUDA, bf16 on a CPU without bf16 kernels) it is
+plain `F.linear`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvfence.kernels import cpu_gemm
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -29,6 +34,11 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape  # weight: [out, in]
         self.bias = bias
+        self.packed = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_gemm.available():
+            self.packed = cpu_gemm.PackedWeight(weight, bias)
+            self.onednn, self.weight = False, None
+            return
         self.onednn = _onednn_usable(weight)
         if self.onednn:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -36,6 +46,8 @@ class Linear:
             self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

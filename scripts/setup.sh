@@ -18,8 +18,9 @@ fi
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 # Debian packages: the libraries the mooncake transport loads (RDMA verbs are linked even for its
-# tcp protocol), etcd (worker membership; the tests start their own) and iproute2 (the tests' hosts).
-APT_LIBS="libibverbs1 librdmacm1 libnuma1 etcd-server iproute2"
+# tcp protocol), etcd (worker membership; the tests start their own), iproute2 (the tests' hosts)
+# and a C compiler (kernels/cpu_gemm.c is built on first use).
+APT_LIBS="libibverbs1 librdmacm1 libnuma1 etcd-server iproute2 gcc libc6-dev"
 missing_libs() { for p in $APT_LIBS; do dpkg -s "$p" >/dev/null 2>&1 || printf '%s ' "$p"; done; }
 if command -v dpkg >/dev/null 2>&1 && [ -n "$(missing_libs)" ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"

@@ -1,0 +1,95 @@
+"""kernels/cpu_gemm: the packed fp32 GEMM equals a float64 reference, a row's result does not
+depend on the batch around it or on the thread count (bitwise), bad arguments are refused, and
+where it is switched off the linears fall back to oneDNN with the same answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfence.engine.linear import Linear
+from kvfence.kernels import cpu_gemm
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason=f"cpu_gemm: {cpu_gemm.unavailable_reason()}")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return (y + b.double() if b is not None else y).float()
+
+
+@pytest.mark.parametrize("n,k", [(16, 8), (37, 19), (960, 576), (576, 1536), (1000, 3)])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_the_float64_product(m: int, n: int, k: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    got = cpu_gemm.PackedWeight(w, b)(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference(x, w, b), rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_a_row_does_not_depend_on_its_batch_or_the_threads() -> None:
+    """Batch invariance: the same row alone, first, last or in the middle of 1..33 rows, with one
+    thread or two, gives the same bits (the sum over k runs in one order everywhere)."""
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(200, 576, generator=g), torch.randn(200, generator=g)
+    packed = cpu_gemm.PackedWeight(w, b)
+    row = torch.randn(1, 576, generator=g)
+    alone = packed(row)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 6, 7, 12, 33):
+                for at in {0, m // 2, m - 1}:
+                    x = torch.randn(m, 576, generator=g)
+                    x[at] = row[0]
+                    assert torch.equal(packed(x)[at], alone[0]), (t, m, at)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        cpu_gemm.PackedWeight(torch.zeros(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2-D"):
+        cpu_gemm.PackedWeight(torch.zeros(4))
+    packed = cpu_gemm.PackedWeight(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=r"x \[M, 8\]"):
+        packed(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="float32"):
+        packed(torch.zeros(2, 8, dtype=torch.float64))
+
+
+def test_a_non_contiguous_input_is_multiplied_as_it_reads() -> None:
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 32, generator=g), torch.randn(32, 10, generator=g).T  # [10, 32], transposed view
+    torch.testing.assert_close(cpu_gemm.PackedWeight(w)(x), reference(x, w, None), rtol=1e-5, atol=1e-4)
+
+
+def test_switched_off_the_linears_use_onednn_with_the_same_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(11)
+    w, b, x = torch.randn(100, 64, generator=g), torch.randn(100, generator=g), torch.randn(9, 64, generator=g)
+    packed = Linear(w, b)
+    assert packed.packed is not None
+    monkeypatch.setenv("KVFENCE_CPU_GEMM", "off")
+    cpu_gemm._library.cache_clear()
+    try:
+        assert not cpu_gemm.available() and cpu_gemm.unavailable_reason() == "KVFENCE_CPU_GEMM=off"
+        fallback = Linear(w, b)
+        assert fallback.packed is None
+        torch.testing.assert_close(packed(x), fallback(x), rtol=1e-5, atol=1e-5)
+    finally:
+        monkeypatch.delenv("KVFENCE_CPU_GEMM")
+        cpu_gemm._library.cache_clear()
+    assert cpu_gemm.available()
+
+
+def test_a_setting_other_than_auto_or_off_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfence.app.environment import cpu_gemm_setting
+
+    with pytest.raises(ValueError, match="auto or off"):
+        cpu_gemm_setting({"KVFENCE_CPU_GEMM": "fast"})
+    assert cpu_gemm_setting({}) == "auto"
