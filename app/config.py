@@ -73,8 +73,9 @@ class WorkersConfig(Settings):
     dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
     prefill_device: str = setting("auto", "device of the prefill worker (the colocated one): auto, cpu or cuda:N")
     decode_device: str = setting("auto", "device of the decode worker: auto, cpu or cuda:N")
-    attention_backend: str = setting("auto", "paged attention and KV store: auto (triton on CUDA when installed, "
-                                             "else torch)", choices=BACKEND_NAMES)
+    attention_backend: str = setting("auto", "paged attention and KV store: auto (triton on CUDA when installed; "
+                                             "on the CPU, cpu where its kernels build; else torch)",
+                                     choices=BACKEND_NAMES)
     kv_sanitizer: bool = setting(False, "record which lease wrote every KV slot and fail any request that reads a "
                                         "slot its lease did not write (a testing aid; costs a check over the "
                                         "context per step)")

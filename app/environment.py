@@ -13,9 +13,9 @@ def kvfence_home(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "kvfence"
 
 
-def cpu_gemm_setting(environ: Mapping[str, str] = os.environ) -> str:
-    """$KVFENCE_CPU_GEMM: "auto" (default: kernels/cpu_gemm.py where it builds) or "off"."""
-    value = environ.get("KVFENCE_CPU_GEMM", "auto").strip().lower() or "auto"
+def cpu_kernels_setting(environ: Mapping[str, str] = os.environ) -> str:
+    """$KVFENCE_CPU_KERNELS: "auto" (default: kernels/cpu_kernels.py where they build) or "off"."""
+    value = environ.get("KVFENCE_CPU_KERNELS", "auto").strip().lower() or "auto"
     if value not in ("auto", "off"):
-        raise ValueError(f"KVFENCE_CPU_GEMM must be auto or off, got {value!r}")
+        raise ValueError(f"KVFENCE_CPU_KERNELS must be auto or off, got {value!r}")
     return value

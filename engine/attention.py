@@ -33,6 +33,7 @@ class AttentionBatch:
     slot_offsets: torch.Tensor  # [T] int64: offset within that page
     num_decode: int  # rows [0, num_decode) are decode tokens, one per sequence
     decode_page_table: torch.Tensor  # [num_decode, max_pages] int64, padded with page 0
+    decode_kv_lens: torch.Tensor  # [num_decode] int64: keys of each decode sequence, incl. the new token
     decode_kv_bias: torch.Tensor  # [num_decode, 1, 1, max_pages * page_size] float32: 0 or -inf
     prefills: list[PrefillSpan]
     _decode_rows: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
@@ -96,6 +97,7 @@ def build_attention_batch(
         slot_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
         num_decode=len(decode),
         decode_page_table=decode_table,
+        decode_kv_lens=kv_lens,
         decode_kv_bias=bias.view(len(decode), 1, 1, max_pages * page_size),
         prefills=spans,
     )
@@ -149,13 +151,20 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     batch: AttentionBatch) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim], reading K/V through the page tables."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = keys.shape[1]
-    scale = 1.0 / math.sqrt(head_dim)
     out = torch.empty_like(q)
     nd = batch.num_decode
     if nd:
-        out[:nd] = _decode_attention(q[:nd], keys, values, batch, scale)
+        out[:nd] = _decode_attention(q[:nd], keys, values, batch, 1.0 / math.sqrt(q.shape[2]))
+    prefill_attention(q, keys, values, batch, out)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttentionBatch,
+                      out: torch.Tensor) -> None:
+    """The prefill rows of `paged_attention`, written into `out`: each chunk attends causally over
+    its sequence's cached pages and itself."""
+    num_kv_heads, head_dim = keys.shape[1], q.shape[2]
+    scale = 1.0 / math.sqrt(head_dim)
     for span in batch.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         kv_len = span.context_tokens + span.num_tokens
@@ -168,4 +177,3 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         o = F.scaled_dot_product_attention(qp.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
-    return out

@@ -1,13 +1,17 @@
-"""Which implementation stores K/V and runs paged attention: `--attention-backend auto|torch|triton`.
+"""Which implementation stores K/V and runs paged attention: `--attention-backend auto|torch|cpu|triton`.
 
-Both backends have the torch path's signatures (engine/attention.py), so the model calls
+Every backend has the torch path's signatures (engine/attention.py), so the model calls
 `backend.store_kv(keys, values, k, v, batch)` and `backend.paged_attention(q, keys, values, batch)`
 whichever runs:
 - torch: engine/attention.py itself, on any device.
+- cpu: decode attention by kernels/cpu_attention.py over the pages in place (float32 pools on a
+  CPU with AVX2 and FMA where the CPU kernels build; any other step runs the torch path), the
+  rest as torch.
 - triton: the kernels in kernels/ (paged decode, paged prefill, KV store), reading the pool in
   place. Compiled on CUDA; on the CPU only under TRITON_INTERPRET=1 (set before the kernel
   modules are first imported), which is for tests: it is about 1000x slower than torch.
-- auto: triton when the device is CUDA and triton (3.4 or later) imports, else torch.
+- auto: triton when the device is CUDA and triton (3.4 or later) imports; on the CPU, cpu where
+  the CPU kernels build (kernels/cpu_kernels.py), else torch.
 
 The kernels can also check page ownership themselves (their violation flags); these entry points
 run them without it, because AttentionBatch carries no leases, and never read the flags (that
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from typing import Protocol
 
 import torch
@@ -26,7 +31,7 @@ import torch
 from kvfence.engine import attention
 from kvfence.engine.attention import AttentionBatch
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -51,6 +56,37 @@ class TorchBackend:
     def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         batch: AttentionBatch) -> torch.Tensor:
         return attention.paged_attention(q, keys, values, batch)
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from kvfence.kernels import cpu_attention
+
+        self._kernel = cpu_attention
+        # The last batch's checked tables: every layer of a step passes the same AttentionBatch.
+        self._last: tuple[AttentionBatch, cpu_attention.DecodeTables] | None = None
+
+    def _tables(self, batch: AttentionBatch, keys: torch.Tensor):  # -> cpu_attention.DecodeTables
+        last = self._last
+        if last is not None and last[0] is batch:
+            return last[1]
+        tables = self._kernel.DecodeTables.checked(batch.decode_page_table, batch.decode_kv_lens,
+                                                   keys.shape[0], keys.shape[2])
+        self._last = (batch, tables)
+        return tables
+
+    def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        batch: AttentionBatch) -> torch.Tensor:
+        nd = batch.num_decode
+        if not nd or not self._kernel.usable(q, keys):
+            return attention.paged_attention(q, keys, values, batch)
+        out = torch.empty_like(q)
+        self._kernel.decode_attention(q[:nd], keys, values, self._tables(batch, keys),
+                                      1.0 / math.sqrt(q.shape[2]), out=out[:nd])
+        attention.prefill_attention(q, keys, values, batch, out)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +186,17 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
         raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     if name == "torch":
         return "torch"
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        from kvfence.kernels import cpu_kernels
+
+        if device.type != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on the CPU, not on {device}; use auto, triton or torch")
+        if cpu_kernels.available():
+            return "cpu"
+        if name == "cpu":
+            raise ValueError(f"--attention-backend cpu is unavailable here ({cpu_kernels.unavailable_reason()}); "
+                             "use --attention-backend torch")
+        return "torch"
     available, interpreted = _triton_status()
     if name == "auto":
         return "triton" if device.type == "cuda" and available else "torch"
@@ -167,4 +214,5 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
 
 def select_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The backend `name` resolves to on `device` (see resolve_backend_name)."""
-    return TritonBackend() if resolve_backend_name(name, device) == "triton" else TorchBackend()
+    resolved = resolve_backend_name(name, device)
+    return {"triton": TritonBackend, "cpu": CpuBackend, "torch": TorchBackend}[resolved]()

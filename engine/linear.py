@@ -1,9 +1,9 @@
 """Linear layers with weights laid out once, at load, for the device's fastest GEMM.
 
-On a CPU with AVX2 and FMA, float32 weights are packed for kernels/cpu_gemm.c, which streams each
+On a CPU with AVX2 and FMA, float32 weights are packed for kernels/cpu_gemm.py, which streams each
 weight once per step and keeps the FMA units busy at every batch size (one thread, this machine:
 1.4-2.2x oneDNN's rate at 1 to 16 rows, level at 128; docs/benchmarks.md). Where it is
-unavailable (no AVX2, no C compiler, KVFENCE_CPU_GEMM=off), CPU weights are reordered into
+unavailable (no AVX2, no C compiler, KVFENCE_CPU_KERNELS=off), CPU weights are reordered into
 oneDNN's blocked layout for its `_linear_pointwise` kernel (torch's default `F.linear` sgemm runs
 at about half oneDNN's speed). Everywhere else (CUDA, bf16 on a CPU without bf16 kernels) it is
 plain `F.linear`.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfence.kernels import cpu_gemm
+from kvfence.kernels import cpu_gemm, cpu_kernels
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -35,7 +35,7 @@ class Linear:
         self.out_features, self.in_features = weight.shape  # weight: [out, in]
         self.bias = bias
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_gemm.available():
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.available():
             self.packed = cpu_gemm.PackedWeight(weight, bias)
             self.onednn, self.weight = False, None
             return

@@ -34,7 +34,7 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
                  attention_backend: str = "auto") -> None:
-        """`attention_backend`: auto | torch | triton (engine/attention_backend.py)."""
+        """`attention_backend`: auto | torch | cpu | triton (engine/attention_backend.py)."""
         self.config: ModelConfig = checkpoint.config
         self.dtype = dtype
         self.device = torch.device(device)

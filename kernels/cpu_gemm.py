@@ -1,114 +1,23 @@
-"""The CPU's fp32 GEMM for decode-sized batches (cpu_gemm.c), built on first use and loaded
-through ctypes.
-
-Why: a decode step multiplies a few rows by every weight of the model, so it is a stream of the
-weights; oneDNN's and MKL's small-M paths read them at a third to a half of this machine's memory
-bandwidth (docs/benchmarks.md, "A floor for each step"). cpu_gemm.c packs each weight into
-panels that are read once, in order, per step.
-
-The library is compiled by the system's C compiler (`cc`, with `-mavx2 -mfma -fopenmp`) into
-$KVFENCE_HOME/cache/kernels under a name that hashes the source and the flags, written by
-rename, and reused by every later process. `available()` is False, with the reason in
-`unavailable_reason()`, when the CPU lacks AVX2/FMA, no compiler is found, or the build fails:
-callers then keep their oneDNN path. Set KVFENCE_CPU_GEMM=off to never use it.
-
-ctypes releases the GIL for the call; OpenMP spreads the panels over `threads` threads.
+"""y = x @ W.T (+ bias) on the CPU for every batch size of a decode step (kvfence_gemm in
+cpu_kernels.c): W packed once into panels of 16 output columns, each read once per call, in order;
+a 6 x 16 block of y in registers; OpenMP over the panels. One summation order over k whatever M,
+so a row's result does not depend on the rows around it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
-PANEL = 16  # output columns per packed panel (NR in cpu_gemm.c)
+from kvfence.kernels import cpu_kernels
 
-
-@dataclasses.dataclass(frozen=True)
-class _Library:
-    lib: ctypes.CDLL | None
-    reason: str  # why lib is None
-
-
-def _cpu_has_avx2_fma() -> bool:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
-
-
-def _build(directory: Path) -> Path:
-    source = SOURCE.read_bytes()
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256(source + "\0".join(FLAGS).encode() + compiler.encode()).hexdigest()[:24]
-    target = directory / f"cpu_gemm-{key}.so"
-    if target.is_file():
-        return target
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".cpu_gemm-", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-@functools.cache
-def _library() -> _Library:
-    from kvfence.app.environment import cpu_gemm_setting, kvfence_home
-
-    if cpu_gemm_setting() == "off":
-        return _Library(None, "KVFENCE_CPU_GEMM=off")
-    if not _cpu_has_avx2_fma():
-        return _Library(None, "the CPU lacks AVX2 or FMA")
-    try:
-        path = _build(kvfence_home() / "cache" / "kernels")
-        torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the library shares it
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return _Library(None, f"its build failed: {e}")
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.kvfence_pack.argtypes = [ptr, i64, i64, ptr]
-    lib.kvfence_pack.restype = None
-    lib.kvfence_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    lib.kvfence_gemm.restype = None
-    return _Library(lib, "")
-
-
-def available() -> bool:
-    return _library().lib is not None
-
-
-def unavailable_reason() -> str:
-    return _library().reason
+PANEL = 16  # output columns per packed panel (NR in cpu_kernels.c)
 
 
 class PackedWeight:
     """W [N, K] float32 packed for `gemm` (and its bias, padded to whole panels)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        lib = _library().lib
-        assert lib is not None, "cpu_gemm is unavailable: " + _library().reason
+        lib = cpu_kernels.library()
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(f"cpu_gemm packs 2-D float32 CPU weights, got {weight.dtype} {tuple(weight.shape)} "
                              f"on {weight.device}")

@@ -7,7 +7,10 @@ import torch
 
 from kvfence.engine import attention_backend
 from kvfence.engine.attention import build_attention_batch
-from kvfence.engine.attention_backend import TorchBackend, kernel_batch, resolve_backend_name, select_attention_backend
+from kvfence.engine.attention_backend import (
+    CpuBackend, TorchBackend, kernel_batch, resolve_backend_name, select_attention_backend,
+)
+from kvfence.kernels import cpu_kernels
 
 
 @pytest.fixture
@@ -18,8 +21,17 @@ def with_triton(monkeypatch: pytest.MonkeyPatch):
     return use
 
 
+@pytest.fixture
+def cpu_kernels_build(monkeypatch: pytest.MonkeyPatch):
+    """Pretend the CPU kernels build here, or not."""
+    def use(builds: bool) -> None:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: builds)
+        monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "" if builds else "the CPU lacks AVX2 or FMA")
+    return use
+
+
 def test_unknown_name_is_refused() -> None:
-    with pytest.raises(ValueError, match="auto, torch, triton"):
+    with pytest.raises(ValueError, match="auto, torch, cpu, triton"):
         resolve_backend_name("cuda", "cpu")
 
 
@@ -29,11 +41,23 @@ def test_torch_runs_anywhere(with_triton) -> None:
     assert isinstance(select_attention_backend("torch", "cpu"), TorchBackend)
 
 
-def test_auto_picks_triton_only_on_cuda(with_triton) -> None:
-    with_triton(True)  # even under the interpreter, auto keeps the CPU on torch
+def test_auto_picks_triton_only_on_cuda(with_triton, cpu_kernels_build) -> None:
+    with_triton(True)  # even under the interpreter, auto keeps the CPU off triton
+    cpu_kernels_build(False)
     assert resolve_backend_name("auto", "cpu") == "torch"
     with_triton(False)
     assert resolve_backend_name("auto", torch.device("cuda:0")) == "triton"
+
+
+def test_auto_picks_the_cpu_kernels_where_they_build(cpu_kernels_build) -> None:
+    cpu_kernels_build(True)
+    assert resolve_backend_name("auto", "cpu") == resolve_backend_name("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="runs on the CPU, not on cuda:0"):
+        resolve_backend_name("cpu", "cuda:0")
+    cpu_kernels_build(False)
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match=r"unavailable here \(the CPU lacks AVX2 or FMA\); use --attention-backend torch"):
+        resolve_backend_name("cpu", "cpu")
 
 
 def test_auto_falls_back_to_torch_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""kernels/cpu_gemm: the packed fp32 GEMM equals a float64 reference, a row's result does not
+"""kernels/cpu_gemm.py: the packed fp32 GEMM equals a float64 reference, a row's result does not
 depend on the batch around it or on the thread count (bitwise), bad arguments are refused, and
 where it is switched off the linears fall back to oneDNN with the same answers."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvfence.engine.linear import Linear
-from kvfence.kernels import cpu_gemm
+from kvfence.kernels import cpu_gemm, cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason=f"cpu_gemm: {cpu_gemm.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -74,22 +74,22 @@ def test_switched_off_the_linears_use_onednn_with_the_same_answers(monkeypatch: 
     w, b, x = torch.randn(100, 64, generator=g), torch.randn(100, generator=g), torch.randn(9, 64, generator=g)
     packed = Linear(w, b)
     assert packed.packed is not None
-    monkeypatch.setenv("KVFENCE_CPU_GEMM", "off")
-    cpu_gemm._library.cache_clear()
+    monkeypatch.setenv("KVFENCE_CPU_KERNELS", "off")
+    cpu_kernels._library.cache_clear()
     try:
-        assert not cpu_gemm.available() and cpu_gemm.unavailable_reason() == "KVFENCE_CPU_GEMM=off"
+        assert not cpu_kernels.available() and cpu_kernels.unavailable_reason() == "KVFENCE_CPU_KERNELS=off"
         fallback = Linear(w, b)
         assert fallback.packed is None
         torch.testing.assert_close(packed(x), fallback(x), rtol=1e-5, atol=1e-5)
     finally:
-        monkeypatch.delenv("KVFENCE_CPU_GEMM")
-        cpu_gemm._library.cache_clear()
-    assert cpu_gemm.available()
+        monkeypatch.delenv("KVFENCE_CPU_KERNELS")
+        cpu_kernels._library.cache_clear()
+    assert cpu_kernels.available()
 
 
 def test_a_setting_other_than_auto_or_off_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvfence.app.environment import cpu_gemm_setting
+    from kvfence.app.environment import cpu_kernels_setting
 
     with pytest.raises(ValueError, match="auto or off"):
-        cpu_gemm_setting({"KVFENCE_CPU_GEMM": "fast"})
-    assert cpu_gemm_setting({}) == "auto"
+        cpu_kernels_setting({"KVFENCE_CPU_KERNELS": "fast"})
+    assert cpu_kernels_setting({}) == "auto"

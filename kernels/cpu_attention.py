@@ -1,0 +1,85 @@
+"""Decode attention on the CPU over the pool's pages in place (kvfence_decode_attention in
+cpu_kernels.c): one query token per sequence, each (sequence, KV head) on one thread, its group of
+query heads scored against each key row as it is read, an exact-max softmax, then the weighted
+sum of the value rows. No page is copied, and only the pages a sequence's table names are read.
+
+It computes what engine/attention.py's torch decode path computes (tests/kernels/
+test_cpu_attention.py holds them to each other); the engine uses it for float32 pools on CPUs
+where the kernels build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvfence.kernels import cpu_kernels
+
+
+def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these: float32 on the CPU, head_dim a multiple of 8, pages
+    of [kv_heads, page_size, head_dim] laid out head after head, token after token."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or keys.dtype != torch.float32:
+        return False
+    _, kv_heads, page_size, head_dim = keys.shape
+    return (head_dim % 8 == 0 and keys.stride()[1:] == (page_size * head_dim, head_dim, 1)
+            and cpu_kernels.available())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTables:
+    """What each sequence reads, checked once per step (every layer reuses it): page_table
+    [B, max_pages] int64 (pages past a sequence's keys are never read), kv_lens [B] int64."""
+
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    longest: int
+
+    @classmethod
+    def checked(cls, page_table: torch.Tensor, kv_lens: torch.Tensor, num_pages: int,
+                page_size: int) -> DecodeTables:
+        """ValueError unless every length is in 1..max_pages * page_size and every page a length
+        reaches is in 0..num_pages - 1."""
+        if page_table.dtype != torch.int64 or kv_lens.dtype != torch.int64 or page_table.dim() != 2:
+            raise ValueError(f"decode tables must be int64, [B, max_pages] and [B], got {page_table.dtype} "
+                             f"{tuple(page_table.shape)} and {kv_lens.dtype} {tuple(kv_lens.shape)}")
+        table, lens = page_table.contiguous(), kv_lens.contiguous()
+        max_pages = table.shape[1]
+        longest = int(lens.max()) if lens.numel() else 0
+        if lens.numel():
+            if int(lens.min()) < 1 or longest > max_pages * page_size:
+                raise ValueError(f"kv_lens must be in 1..{max_pages * page_size}, got {lens.tolist()}")
+            reached = torch.arange(max_pages)[None, :] * page_size < lens[:, None]
+            pages = table[reached]
+            if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
+                raise ValueError(f"the page table names pages outside 0..{num_pages - 1}")
+        return cls(table, lens, longest)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: DecodeTables,
+                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, heads, D]; keys/values: [num_pages, kv_heads, page_size, D] layer views of the pool
+    (`tables` checked against this num_pages and page_size) -> [B, heads, D] (into `out`, a
+    contiguous tensor like q, when given)."""
+    b, heads, d = q.shape
+    _, kv_heads, page_size, _ = keys.shape
+    if not usable(q, keys) or values.stride() != keys.stride() or values.shape != keys.shape:
+        raise ValueError(f"decode_attention wants float32 CPU q and same-layout K/V pages with head_dim % 8 == 0, "
+                         f"got q {q.dtype} {tuple(q.shape)}, keys {keys.dtype} {tuple(keys.shape)} "
+                         f"strides {keys.stride()}, values strides {values.stride()}")
+    if heads % kv_heads or tables.page_table.shape[0] != b:
+        raise ValueError(f"decode_attention wants heads a multiple of kv_heads and one table row per query, got "
+                         f"{heads} heads, {kv_heads} KV heads, {tables.page_table.shape[0]} rows for {b} queries")
+    q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if not out.is_contiguous() or out.shape != q.shape:
+        raise ValueError("out must be a contiguous tensor shaped like q")
+    threads = torch.get_num_threads()
+    per_thread = (heads // kv_heads) * (tables.longest + 8)
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    cpu_kernels.library().kvfence_decode_attention(
+        q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.page_table.data_ptr(),
+        tables.page_table.shape[1], tables.kv_lens.data_ptr(), b, kv_heads, heads // kv_heads, d, page_size,
+        keys.stride(0), keys.stride(1), scale, scratch.data_ptr(), per_thread, threads)
+    return out

@@ -1,0 +1,218 @@
+/* The CPU kernels of a decode step, fp32, for x86-64 CPUs with AVX2 and FMA (kernels/cpu_kernels.py
+ * builds this file and loads it):
+ *   kvfence_pack / kvfence_gemm       y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])
+ *   kvfence_decode_attention          one query token per sequence over its KV pages, in place
+ *
+ * GEMM. W is packed once (kvfence_pack) into panels of 16 output columns: panel p holds
+ * W[16p .. 16p+15, k] for k = 0..K-1 as K rows of 16 floats, the last panel zero-padded. One panel
+ * is one contiguous stream, so a decode step (M of 1 to a few dozen) reads every weight byte once,
+ * sequentially, and at M = 1 runs at the memory's speed rather than a GEMM library's small-M
+ * path. The micro-kernel keeps a 6 x 16 block of y in twelve ymm registers and walks k: two
+ * vector loads of the panel, six broadcasts of x, twelve FMAs per k. Rows go in groups of six
+ * while the panel stays in L1/L2; panels are split across `threads` OpenMP threads (the same
+ * OpenMP runtime as torch's when it is loaded first: the library is found by its soname).
+ *
+ * The summation order over k is fixed (sequential), so a row's result does not depend on M or on
+ * the other rows of the batch.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NR 16
+#define MR 6
+
+void kvfence_pack(const float *w, int64_t n, int64_t k, float *packed) {
+    int64_t panels = (n + NR - 1) / NR;
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = packed + p * k * NR;
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int64_t j = 0; j < NR; j++) {
+                int64_t row = p * NR + j;
+                dst[kk * NR + j] = row < n ? w[row * k + kk] : 0.0f;
+            }
+        }
+    }
+}
+
+/* Row r of the block: its two accumulators are named variables (an array would be kept in
+ * memory by the compiler, and every FMA would store it). */
+#define ROW_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
+#define ROW_FMA(r)                                                        \
+    if (rows > r) {                                                       \
+        __m256 xv = _mm256_broadcast_ss(x + r * ldx + kk);                \
+        c##r##0 = _mm256_fmadd_ps(xv, w0, c##r##0);                       \
+        c##r##1 = _mm256_fmadd_ps(xv, w1, c##r##1);                       \
+    }
+#define ROW_STORE(r)                                                      \
+    if (rows > r) store_row(y + r * ldy, c##r##0, c##r##1, cols, bias);
+
+static inline __attribute__((always_inline)) void
+store_row(float *y, __m256 a0, __m256 a1, int64_t cols, const float *bias) {
+    if (bias) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bias + 8));
+    }
+    if (cols == NR) {
+        _mm256_storeu_ps(y, a0);
+        _mm256_storeu_ps(y + 8, a1);
+    } else {
+        float tmp[NR];
+        _mm256_storeu_ps(tmp, a0);
+        _mm256_storeu_ps(tmp + 8, a1);
+        memcpy(y, tmp, (size_t)cols * sizeof(float));
+    }
+}
+
+static inline __attribute__((always_inline)) void
+block(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
+      float *y, int64_t ldy, int64_t cols, const float *bias) {
+    ROW_DECL(0) ROW_DECL(1) ROW_DECL(2) ROW_DECL(3) ROW_DECL(4) ROW_DECL(5)
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m256 w0 = _mm256_loadu_ps(panel + kk * NR);
+        __m256 w1 = _mm256_loadu_ps(panel + kk * NR + 8);
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
+    }
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
+}
+
+/* The same block for each row count, so that the compiler drops the dead rows' registers. */
+static void block_rows(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
+                       float *y, int64_t ldy, int64_t cols, const float *bias) {
+    switch (rows) {
+    case 6: block(x, ldx, panel, k, 6, y, ldy, cols, bias); break;
+    case 5: block(x, ldx, panel, k, 5, y, ldy, cols, bias); break;
+    case 4: block(x, ldx, panel, k, 4, y, ldy, cols, bias); break;
+    case 3: block(x, ldx, panel, k, 3, y, ldy, cols, bias); break;
+    case 2: block(x, ldx, panel, k, 2, y, ldy, cols, bias); break;
+    default: block(x, ldx, panel, k, 1, y, ldy, cols, bias); break;
+    }
+}
+
+/* bias: NULL, or N floats padded to a multiple of 16 (the padding is never stored to y). */
+void kvfence_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                  const float *bias, float *y, int threads) {
+    int64_t panels = (n + NR - 1) / NR;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *panel = packed + p * k * NR;
+        int64_t col = p * NR;
+        int64_t cols = n - col < NR ? n - col : NR;
+        const float *b = bias ? bias + col : 0;
+        for (int64_t r = 0; r < m; r += MR) {
+            int rows = m - r < MR ? (int)(m - r) : MR;
+            block_rows(x + r * k, k, panel, k, rows, y + r * n + col, n, cols, b);
+        }
+    }
+}
+
+/* ---- decode attention ------------------------------------------------------------------------
+ *
+ * q: [B, H, D] (H = kv_heads * group query heads; D a multiple of 8), out: [B, H, D].
+ * keys/values: one layer of the pool; the key of token t of sequence b, KV head h, is at
+ *   keys + table[b, t / page_size] * page_stride + h * head_stride + (t % page_size) * D
+ * (values alike), for t < kv_lens[b]. Nothing else of the pool is read: the page table names the
+ * pages (the runner's owner check has admitted every one of them before the step).
+ *
+ * Per (sequence, KV head), on one thread: the scores of the group's queries against every key
+ * (each key row read once for the whole group), an exact-max softmax with a vectorized exp, then
+ * the probability-weighted sum of the value rows. Keys are summed in order, so a sequence's
+ * result does not depend on the other sequences of the step.
+ */
+
+/* exp(x) for 8 floats: Cody-Waite range reduction and a degree-5 polynomial (the Cephes expf),
+ * within 2 ulp of expf over the range softmax uses (x <= 0); below -88.37 (and -inf) it is 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  /* exp of these is 0 (so is exp(-inf)) */
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void attend_one(const float *q, float *out, const float *keys, const float *values,
+                       const int64_t *table, int64_t kv_len, int64_t page_size, int64_t page_stride,
+                       int64_t head_offset, int group, int64_t d, float scale, float *scores) {
+    /* scores: [group][kv_len + 8] */
+    int64_t ld = kv_len + 8;
+    for (int64_t t = 0; t < kv_len; t++) {
+        const float *k = keys + table[t / page_size] * page_stride + head_offset + (t % page_size) * d;
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + g * d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= d; i += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(k + i + 8), a1);
+            }
+            if (i < d)
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), a0);
+            scores[g * ld + t] = hsum8(_mm256_add_ps(a0, a1)) * scale;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *s = scores + g * ld;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < kv_len; t++)
+            m = s[t] > m ? s[t] : m;
+        for (int64_t t = kv_len; t < ld; t++)
+            s[t] = -INFINITY;  /* the tail of the last vector of 8 adds 0 */
+        __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < kv_len; t += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+            _mm256_storeu_ps(s + t, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        float inv = 1.0f / hsum8(sum);
+        float *o = out + g * d;
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+        for (int64_t t = 0; t < kv_len; t++) {
+            const float *v = values + table[t / page_size] * page_stride + head_offset + (t % page_size) * d;
+            __m256 p = _mm256_set1_ps(s[t] * inv);
+            for (int64_t i = 0; i < d; i += 8)
+                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+        }
+    }
+}
+
+/* scratch: threads * group * (max(kv_lens) + 8) floats. */
+void kvfence_decode_attention(const float *q, float *out, const float *keys, const float *values,
+                              const int64_t *table, int64_t max_pages, const int64_t *kv_lens, int64_t batch,
+                              int64_t kv_heads, int64_t group, int64_t d, int64_t page_size,
+                              int64_t page_stride, int64_t head_stride, float scale, float *scratch,
+                              int64_t scratch_per_thread, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        float *scores = scratch + omp_get_thread_num() * scratch_per_thread;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < batch * kv_heads; job++) {
+            int64_t b = job / kv_heads, h = job % kv_heads;
+            int64_t row = (b * kv_heads + h) * group * d;
+            attend_one(q + row, out + row, keys, values, table + b * max_pages, kv_lens[b], page_size,
+                       page_stride, h * head_stride, (int)group, d, scale, scores);
+        }
+    }
+}

@@ -1,0 +1,114 @@
+"""The CPU kernels of a decode step (cpu_kernels.c), built on first use and loaded through ctypes;
+their Python faces are kernels/cpu_gemm.py and kernels/cpu_attention.py.
+
+Why: a decode step multiplies a few rows by every weight of the model, so it is a stream of the
+weights, and reads every sequence's KV pages once; oneDNN's small-M GEMM reads the weights at a
+third to a half of this machine's memory bandwidth, and the torch attention path copies every
+page it reads (docs/benchmarks.md, "A floor for each step").
+
+The library is compiled by the system's C compiler (`cc`, with `-mavx2 -mfma -fopenmp`) into
+$KVFENCE_HOME/cache/kernels under a name that hashes the source and the flags, written by
+rename, and reused by every later process. `available()` is False, with the reason in
+`unavailable_reason()`, when the CPU lacks AVX2/FMA, no compiler is found, or the build fails:
+callers then keep their torch/oneDNN paths. Set KVFENCE_CPU_KERNELS=off to never use them.
+
+ctypes releases the GIL for each call; OpenMP spreads the work over torch's intra-op thread
+count (the library shares torch's OpenMP runtime: it is loaded after torch's, and found by its
+soname).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Library:
+    lib: ctypes.CDLL | None
+    reason: str  # why lib is None
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def _build(directory: Path) -> Path:
+    source = SOURCE.read_bytes()
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    key = hashlib.sha256(source + "\0".join(FLAGS).encode() + compiler.encode()).hexdigest()[:24]
+    target = directory / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".cpu_kernels-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _library() -> _Library:
+    from kvfence.app.environment import cpu_kernels_setting, kvfence_home
+
+    if cpu_kernels_setting() == "off":
+        return _Library(None, "KVFENCE_CPU_KERNELS=off")
+    if not _cpu_has_avx2_fma():
+        return _Library(None, "the CPU lacks AVX2 or FMA")
+    try:
+        path = _build(kvfence_home() / "cache" / "kernels")
+        torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the library shares it
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return _Library(None, f"its build failed: {e}")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvfence_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.kvfence_pack.restype = None
+    lib.kvfence_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.kvfence_gemm.restype = None
+    lib.kvfence_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
+                                             ctypes.c_float, ptr, i64, ctypes.c_int]
+    lib.kvfence_decode_attention.restype = None
+    return _Library(lib, "")
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library; only when `available()`."""
+    lib = _library().lib
+    assert lib is not None, "the CPU kernels are unavailable: " + _library().reason
+    return lib
+
+
+def available() -> bool:
+    return _library().lib is not None
+
+
+def unavailable_reason() -> str:
+    return _library().reason
