@@ -52,6 +52,7 @@ def test_auto_picks_triton_only_on_cuda(with_triton, cpu_kernels_build) -> None:
 def test_auto_picks_the_cpu_kernels_where_they_build(cpu_kernels_build) -> None:
     cpu_kernels_build(True)
     assert resolve_backend_name("auto", "cpu") == resolve_backend_name("cpu", "cpu") == "cpu"
+    assert isinstance(select_attention_backend("auto", "cpu"), CpuBackend)
     with pytest.raises(ValueError, match="runs on the CPU, not on cuda:0"):
         resolve_backend_name("cpu", "cuda:0")
     cpu_kernels_build(False)
