@@ -4,9 +4,9 @@ Every backend has the torch path's signatures (engine/attention.py), so the mode
 `backend.store_kv(keys, values, k, v, batch)` and `backend.paged_attention(q, keys, values, batch)`
 whichever runs:
 - torch: engine/attention.py itself, on any device.
-- cpu: decode attention by kernels/cpu_attention.py over the pages in place (float32 pools on a
-  CPU with AVX2 and FMA where the CPU kernels build; any other step runs the torch path), the
-  rest as torch.
+- cpu: the KV store and decode attention by kernels/cpu_attention.py over the pages in place
+  (float32 pools on a CPU with AVX2 and FMA where the CPU kernels build; anything else runs the
+  torch path), prefill attention as torch.
 - triton: the kernels in kernels/ (paged decode, paged prefill, KV store), reading the pool in
   place. Compiled on CUDA; on the CPU only under TRITON_INTERPRET=1 (set before the kernel
   modules are first imported), which is for tests: it is about 1000x slower than torch.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -65,17 +65,27 @@ class CpuBackend(TorchBackend):
         from kvfence.kernels import cpu_attention
 
         self._kernel = cpu_attention
-        # The last batch's checked tables: every layer of a step passes the same AttentionBatch.
-        self._last: tuple[AttentionBatch, cpu_attention.DecodeTables] | None = None
+        # The last batch's checked slots and tables: every layer of a step passes the same
+        # AttentionBatch. A tuple swapped whole, so threads sharing this backend at worst check twice.
+        self._last: tuple[AttentionBatch, Any, Any] | None = None
 
-    def _tables(self, batch: AttentionBatch, keys: torch.Tensor):  # -> cpu_attention.DecodeTables
+    def _checked(self, batch: AttentionBatch, keys: torch.Tensor) -> tuple[Any, Any]:
+        """(StoreSlots, DecodeTables) of `batch`, checked against this pool once per step."""
         last = self._last
         if last is not None and last[0] is batch:
-            return last[1]
-        tables = self._kernel.DecodeTables.checked(batch.decode_page_table, batch.decode_kv_lens,
-                                                   keys.shape[0], keys.shape[2])
-        self._last = (batch, tables)
-        return tables
+            return last[1], last[2]
+        num_pages, page_size = keys.shape[0], keys.shape[2]
+        slots = self._kernel.StoreSlots.checked(batch.slot_pages, batch.slot_offsets, num_pages, page_size)
+        tables = self._kernel.DecodeTables.checked(batch.decode_page_table, batch.decode_kv_lens, num_pages,
+                                                   page_size)
+        self._last = (batch, slots, tables)
+        return slots, tables
+
+    def store_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 batch: AttentionBatch) -> None:
+        if not self._kernel.usable(k, keys):
+            return attention.store_kv(keys, values, k, v, batch)
+        self._kernel.store_kv(keys, values, k, v, self._checked(batch, keys)[0])
 
     def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         batch: AttentionBatch) -> torch.Tensor:
@@ -83,7 +93,7 @@ class CpuBackend(TorchBackend):
         if not nd or not self._kernel.usable(q, keys):
             return attention.paged_attention(q, keys, values, batch)
         out = torch.empty_like(q)
-        self._kernel.decode_attention(q[:nd], keys, values, self._tables(batch, keys),
+        self._kernel.decode_attention(q[:nd], keys, values, self._checked(batch, keys)[1],
                                       1.0 / math.sqrt(q.shape[2]), out=out[:nd])
         attention.prefill_attention(q, keys, values, batch, out)
         return out

@@ -83,3 +83,38 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         tables.page_table.shape[1], tables.kv_lens.data_ptr(), b, kv_heads, heads // kv_heads, d, page_size,
         keys.stride(0), keys.stride(1), scale, scratch.data_ptr(), per_thread, threads)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSlots:
+    """Where a step's new K/V rows go, checked once per step: slot_pages, slot_offsets [T] int64."""
+
+    pages: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def checked(cls, slot_pages: torch.Tensor, slot_offsets: torch.Tensor, num_pages: int,
+                page_size: int) -> StoreSlots:
+        """ValueError unless every page is in 0..num_pages - 1 and every offset in 0..page_size - 1."""
+        pages, offsets = slot_pages.contiguous(), slot_offsets.contiguous()
+        if pages.dtype != torch.int64 or offsets.dtype != torch.int64 or pages.shape != offsets.shape:
+            raise ValueError(f"store slots must be two int64 [T] tensors, got {pages.dtype} {tuple(pages.shape)} "
+                             f"and {offsets.dtype} {tuple(offsets.shape)}")
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages
+                              or int(offsets.min()) < 0 or int(offsets.max()) >= page_size):
+            raise ValueError(f"store slots outside the pool's {num_pages} pages of {page_size} tokens")
+        return cls(pages, offsets)
+
+
+def store_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: StoreSlots) -> None:
+    """keys/values: [num_pages, kv_heads, page_size, D] layer views (`slots` checked against them);
+    k, v: [T, kv_heads, D] float32: row t goes to page slots.pages[t], offset slots.offsets[t]."""
+    tokens, kv_heads, d = k.shape
+    if (not usable(k, keys) or values.stride() != keys.stride() or v.shape != k.shape
+            or keys.shape[1] != kv_heads or keys.shape[3] != d or slots.pages.shape[0] != tokens):
+        raise ValueError(f"store_kv wants float32 CPU K/V rows [T, {keys.shape[1]}, {keys.shape[3]}] for "
+                         f"{slots.pages.shape[0]} slots, got {k.dtype} {tuple(k.shape)}")
+    k, v = k.contiguous(), v.contiguous()
+    cpu_kernels.library().kvfence_store_kv(k.data_ptr(), v.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                           slots.pages.data_ptr(), slots.offsets.data_ptr(), tokens, kv_heads, d,
+                                           keys.stride(0), keys.stride(1))

@@ -2,6 +2,7 @@
  * builds this file and loads it):
  *   kvfence_pack / kvfence_gemm       y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])
  *   kvfence_decode_attention          one query token per sequence over its KV pages, in place
+ *   kvfence_store_kv                  a step's new K/V rows into their pages
  *
  * GEMM. W is packed once (kvfence_pack) into panels of 16 output columns: panel p holds
  * W[16p .. 16p+15, k] for k = 0..K-1 as K rows of 16 floats, the last panel zero-padded. One panel
@@ -213,6 +214,24 @@ void kvfence_decode_attention(const float *q, float *out, const float *keys, con
             int64_t row = (b * kv_heads + h) * group * d;
             attend_one(q + row, out + row, keys, values, table + b * max_pages, kv_lens[b], page_size,
                        page_stride, h * head_stride, (int)group, d, scale, scores);
+        }
+    }
+}
+
+/* ---- KV store --------------------------------------------------------------------------------
+ *
+ * Token t's k[t, h, :] and v[t, h, :] (k, v: [T, kv_heads, D], rows contiguous) go to
+ * keys/values + slot_pages[t] * page_stride + h * head_stride + slot_offsets[t] * D. The slots are
+ * checked by the caller (every page inside the pool, every offset inside a page).
+ */
+void kvfence_store_kv(const float *k, const float *v, float *keys, float *values, const int64_t *slot_pages,
+                      const int64_t *slot_offsets, int64_t tokens, int64_t kv_heads, int64_t d,
+                      int64_t page_stride, int64_t head_stride) {
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t base = slot_pages[t] * page_stride + slot_offsets[t] * d;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            memcpy(keys + base + h * head_stride, k + (t * kv_heads + h) * d, (size_t)d * sizeof(float));
+            memcpy(values + base + h * head_stride, v + (t * kv_heads + h) * d, (size_t)d * sizeof(float));
         }
     }
 }

@@ -96,6 +96,8 @@ def _library() -> _Library:
     lib.kvfence_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                              ctypes.c_float, ptr, i64, ctypes.c_int]
     lib.kvfence_decode_attention.restype = None
+    lib.kvfence_store_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.kvfence_store_kv.restype = None
     return _Library(lib, "")
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvfence.engine.attention import build_attention_batch, paged_attention
+from kvfence.engine.attention import build_attention_batch, paged_attention, store_kv
 from kvfence.engine.attention_backend import CpuBackend
 from kvfence.kernels import cpu_attention, cpu_kernels
 
@@ -100,3 +100,22 @@ def test_the_cpu_backend_runs_a_mixed_step_like_the_torch_path() -> None:
     keys, values = data[:, 0, 0], data[:, 0, 1]
     torch.testing.assert_close(CpuBackend().paged_attention(q, keys, values, batch),
                                paged_attention(q, keys, values, batch), rtol=2e-5, atol=2e-6)
+
+
+def test_the_cpu_backend_stores_a_step_like_the_torch_path() -> None:
+    g = torch.Generator().manual_seed(2)
+    batch = build_attention_batch(16, [([3, 7, 9], 40), ([11], 2)], [([20, 21], 10, 12)], torch.device("cpu"))
+    qkv = torch.randn(14, 9 * 64 + 2 * 3 * 64, generator=g)  # the model's fused projection: k, v are strided views
+    k = qkv[:, 9 * 64: 12 * 64].view(14, 3, 64)
+    v = qkv[:, 12 * 64:].view(14, 3, 64)
+    mine, theirs = torch.zeros(PAGES, LAYERS, 2, 3, 16, 64), torch.zeros(PAGES, LAYERS, 2, 3, 16, 64)
+    CpuBackend().store_kv(mine[:, 1, 0], mine[:, 1, 1], k, v, batch)
+    store_kv(theirs[:, 1, 0], theirs[:, 1, 1], k, v, batch)
+    assert torch.equal(mine, theirs) and mine.abs().sum() > 0
+
+
+def test_store_slots_outside_the_pool_are_refused() -> None:
+    with pytest.raises(ValueError, match="outside the pool's 40 pages of 16 tokens"):
+        cpu_attention.StoreSlots.checked(torch.tensor([3, 40]), torch.tensor([0, 1]), PAGES, 16)
+    with pytest.raises(ValueError, match="outside"):
+        cpu_attention.StoreSlots.checked(torch.tensor([3, 4]), torch.tensor([0, 16]), PAGES, 16)
