@@ -69,9 +69,11 @@ store_row(float *y, __m256 a0, __m256 a1, int64_t cols, const float *bias) {
 
 static inline __attribute__((always_inline)) void
 block(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
-      float *y, int64_t ldy, int64_t cols, const float *bias) {
+      float *y, int64_t ldy, int64_t cols, const float *bias, const float *next) {
     ROW_DECL(0) ROW_DECL(1) ROW_DECL(2) ROW_DECL(3) ROW_DECL(4) ROW_DECL(5)
     for (int64_t kk = 0; kk < k; kk++) {
+        if (next)  /* one line of the next panel per k: it streams in while this one computes */
+            _mm_prefetch((const char *)(next + kk * NR), _MM_HINT_T1);
         __m256 w0 = _mm256_loadu_ps(panel + kk * NR);
         __m256 w1 = _mm256_loadu_ps(panel + kk * NR + 8);
         ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
@@ -81,14 +83,14 @@ block(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
 
 /* The same block for each row count, so that the compiler drops the dead rows' registers. */
 static void block_rows(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
-                       float *y, int64_t ldy, int64_t cols, const float *bias) {
+                       float *y, int64_t ldy, int64_t cols, const float *bias, const float *next) {
     switch (rows) {
-    case 6: block(x, ldx, panel, k, 6, y, ldy, cols, bias); break;
-    case 5: block(x, ldx, panel, k, 5, y, ldy, cols, bias); break;
-    case 4: block(x, ldx, panel, k, 4, y, ldy, cols, bias); break;
-    case 3: block(x, ldx, panel, k, 3, y, ldy, cols, bias); break;
-    case 2: block(x, ldx, panel, k, 2, y, ldy, cols, bias); break;
-    default: block(x, ldx, panel, k, 1, y, ldy, cols, bias); break;
+    case 6: block(x, ldx, panel, k, 6, y, ldy, cols, bias, next); break;
+    case 5: block(x, ldx, panel, k, 5, y, ldy, cols, bias, next); break;
+    case 4: block(x, ldx, panel, k, 4, y, ldy, cols, bias, next); break;
+    case 3: block(x, ldx, panel, k, 3, y, ldy, cols, bias, next); break;
+    case 2: block(x, ldx, panel, k, 2, y, ldy, cols, bias, next); break;
+    default: block(x, ldx, panel, k, 1, y, ldy, cols, bias, next); break;
     }
 }
 
@@ -102,9 +104,10 @@ void kvfence_gemm(const float *x, int64_t m, int64_t k, const float *packed, int
         int64_t col = p * NR;
         int64_t cols = n - col < NR ? n - col : NR;
         const float *b = bias ? bias + col : 0;
+        const float *next = p + 1 < panels ? panel + k * NR : 0;
         for (int64_t r = 0; r < m; r += MR) {
             int rows = m - r < MR ? (int)(m - r) : MR;
-            block_rows(x + r * k, k, panel, k, rows, y + r * n + col, n, cols, b);
+            block_rows(x + r * k, k, panel, k, rows, y + r * n + col, n, cols, b, r == 0 ? next : 0);
         }
     }
 }
@@ -117,10 +120,11 @@ void kvfence_gemm(const float *x, int64_t m, int64_t k, const float *packed, int
  * (values alike), for t < kv_lens[b]. Nothing else of the pool is read: the page table names the
  * pages (the runner's owner check has admitted every one of them before the step).
  *
- * Per (sequence, KV head), on one thread: the scores of the group's queries against every key
- * (each key row read once for the whole group), an exact-max softmax with a vectorized exp, then
- * the probability-weighted sum of the value rows. Keys are summed in order, so a sequence's
- * result does not depend on the other sequences of the step.
+ * Per (sequence, KV head), on one thread, for each query of the group: its scores against the key
+ * rows, page by page, an exact-max softmax with a vectorized exp, then the sum of the value rows
+ * weighted by the unnormalized probabilities (64 output dims in registers), scaled once at the
+ * end. The group's queries re-read the same rows from L2. Keys are summed in order, so a
+ * sequence's result does not depend on the other sequences of the step.
  */
 
 /* exp(x) for 8 floats: Cody-Waite range reduction and a degree-5 polynomial (the Cephes expf),
@@ -153,15 +157,24 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Runs the body (the last arguments) for every row t < kv_len of one (sequence, KV head) of
+ * `base` (keys or values), page by page, with `row` pointing at it. */
+#define FOR_EACH_ROW(base, t, row, ...)                                                     \
+    for (int64_t page_i = 0, t = 0; t < kv_len; page_i++) {                                   \
+        const float *page_row = (base) + table[page_i] * page_stride + head_offset;           \
+        int64_t page_end = t + (kv_len - t < page_size ? kv_len - t : page_size);             \
+        for (const float *row = page_row; t < page_end; t++, row += d) { __VA_ARGS__ }       \
+    }
+
 static void attend_one(const float *q, float *out, const float *keys, const float *values,
                        const int64_t *table, int64_t kv_len, int64_t page_size, int64_t page_stride,
                        int64_t head_offset, int group, int64_t d, float scale, float *scores) {
-    /* scores: [group][kv_len + 8] */
+    /* scores: [group][kv_len + 8]; each query of the group walks the rows (K and V stay in L2) */
     int64_t ld = kv_len + 8;
-    for (int64_t t = 0; t < kv_len; t++) {
-        const float *k = keys + table[t / page_size] * page_stride + head_offset + (t % page_size) * d;
-        for (int g = 0; g < group; g++) {
-            const float *qg = q + g * d;
+    for (int g = 0; g < group; g++) {
+        const float *qg = q + g * d;
+        float *s = scores + g * ld;
+        FOR_EACH_ROW(keys, t, k, {
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
             int64_t i = 0;
             for (; i + 16 <= d; i += 16) {
@@ -170,11 +183,8 @@ static void attend_one(const float *q, float *out, const float *keys, const floa
             }
             if (i < d)
                 a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), a0);
-            scores[g * ld + t] = hsum8(_mm256_add_ps(a0, a1)) * scale;
-        }
-    }
-    for (int g = 0; g < group; g++) {
-        float *s = scores + g * ld;
+            s[t] = hsum8(_mm256_add_ps(a0, a1)) * scale;
+        })
         float m = -INFINITY;
         for (int64_t t = 0; t < kv_len; t++)
             m = s[t] > m ? s[t] : m;
@@ -186,15 +196,38 @@ static void attend_one(const float *q, float *out, const float *keys, const floa
             _mm256_storeu_ps(s + t, p);
             sum = _mm256_add_ps(sum, p);
         }
-        float inv = 1.0f / hsum8(sum);
+        __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
         float *o = out + g * d;
-        for (int64_t i = 0; i < d; i += 8)
-            _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-        for (int64_t t = 0; t < kv_len; t++) {
-            const float *v = values + table[t / page_size] * page_stride + head_offset + (t % page_size) * d;
-            __m256 p = _mm256_set1_ps(s[t] * inv);
-            for (int64_t i = 0; i < d; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+        int64_t c = 0;
+        for (; c + 64 <= d; c += 64) {  /* 64 output dims in eight registers */
+            __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
+            FOR_EACH_ROW(values, t, v, {
+                const float *vc = v + c;
+                __m256 p = _mm256_broadcast_ss(s + t);
+                o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc), o0);
+                o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 8), o1);
+                o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 16), o2);
+                o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 24), o3);
+                o4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 32), o4);
+                o5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 40), o5);
+                o6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 48), o6);
+                o7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 56), o7);
+            })
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(o0, inv));
+            _mm256_storeu_ps(o + c + 8, _mm256_mul_ps(o1, inv));
+            _mm256_storeu_ps(o + c + 16, _mm256_mul_ps(o2, inv));
+            _mm256_storeu_ps(o + c + 24, _mm256_mul_ps(o3, inv));
+            _mm256_storeu_ps(o + c + 32, _mm256_mul_ps(o4, inv));
+            _mm256_storeu_ps(o + c + 40, _mm256_mul_ps(o5, inv));
+            _mm256_storeu_ps(o + c + 48, _mm256_mul_ps(o6, inv));
+            _mm256_storeu_ps(o + c + 56, _mm256_mul_ps(o7, inv));
+        }
+        for (; c < d; c += 8) {  /* what is left of head_dim, eight at a time */
+            __m256 acc = _mm256_setzero_ps();
+            FOR_EACH_ROW(values, t, v, {
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(s + t), _mm256_loadu_ps(v + c), acc);
+            })
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(acc, inv));
         }
     }
 }

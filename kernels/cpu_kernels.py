@@ -39,6 +39,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-fno-math-er
 class _Library:
     lib: ctypes.CDLL | None
     reason: str  # why lib is None
+    expected: bool = True  # False when it failed where it should have built (a compiler error)
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -50,9 +51,13 @@ def _cpu_has_avx2_fma() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
+def _compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 def _build(directory: Path) -> Path:
     source = SOURCE.read_bytes()
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     key = hashlib.sha256(source + "\0".join(FLAGS).encode() + compiler.encode()).hexdigest()[:24]
@@ -82,12 +87,14 @@ def _library() -> _Library:
         return _Library(None, "KVFENCE_CPU_KERNELS=off")
     if not _cpu_has_avx2_fma():
         return _Library(None, "the CPU lacks AVX2 or FMA")
+    if _compiler() is None:
+        return _Library(None, "no C compiler (cc or gcc) on PATH")
     try:
         path = _build(kvfence_home() / "cache" / "kernels")
         torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the library shares it
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return _Library(None, f"its build failed: {e}")
+        return _Library(None, f"its build failed: {e}", expected=False)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvfence_pack.argtypes = [ptr, i64, i64, ptr]
     lib.kvfence_pack.restype = None
@@ -114,3 +121,9 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     return _library().reason
+
+
+def unavailable_as_expected() -> bool:
+    """True when they are available, or unavailable for a reason of the machine or the settings
+    (no AVX2/FMA, no compiler, switched off); False when the build failed where it should work."""
+    return _library().expected

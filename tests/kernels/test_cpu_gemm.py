@@ -10,7 +10,8 @@ import torch
 from kvfence.engine.linear import Linear
 from kvfence.kernels import cpu_gemm, cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available() and cpu_kernels.unavailable_as_expected(),
+                                reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -93,3 +94,8 @@ def test_a_setting_other_than_auto_or_off_is_refused(monkeypatch: pytest.MonkeyP
     with pytest.raises(ValueError, match="auto or off"):
         cpu_kernels_setting({"KVFENCE_CPU_KERNELS": "fast"})
     assert cpu_kernels_setting({}) == "auto"
+
+
+def test_the_kernels_build_where_the_machine_allows() -> None:
+    """A compiler error is a failure here, never a silent fallback to the slower paths."""
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
