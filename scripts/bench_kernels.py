@@ -1,0 +1,84 @@
+"""The CPU kernels (kernels/cpu_kernels.c) against the paths they replace, interleaved step by step.
+
+Two models over one pool: one with the packed GEMM and the CPU attention backend, one with
+oneDNN linears and the torch attention path (KVFENCE_CPU_KERNELS=off). Each batch size decodes
+greedy steps taking turns on the two, so a machine that drifts (a shared host does) moves both
+columns alike; the ratio is the number to read.
+
+    .venv/bin/python scripts/bench_kernels.py                 # batches 1,4,16,32
+    .venv/bin/python scripts/bench_kernels.py --batches 16 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvfence.app.environment import kvfence_home
+from kvfence.engine.grammar import LeaseGrammars
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.loading import load_model_spec
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.token_counts import LeaseTokenCounts
+from kvfence.kernels import cpu_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sampling import PAGE_SIZE, Batch  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,4,16,32")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    args = ap.parse_args()
+    sizes = [int(b) for b in args.batches.split(",")]
+    if not cpu_kernels.available():
+        raise SystemExit(f"the CPU kernels are unavailable here: {cpu_kernels.unavailable_reason()}")
+    checkpoint = load_model_spec(None, kvfence_home(), progress=False)
+    fast = LlamaModel(checkpoint, torch.float32)
+    os.environ["KVFENCE_CPU_KERNELS"] = "off"
+    cpu_kernels._library.cache_clear()
+    slow = LlamaModel(checkpoint, torch.float32)
+    pages_per_seq = -(-(args.prompt_tokens + args.steps * 2 + 8) // PAGE_SIZE)
+    pool = KVPool(fast.config, sum(sizes) * pages_per_seq, PAGE_SIZE, torch.float32)
+    runners = {"kernels": ModelRunner(fast, pool), "torch": ModelRunner(slow, pool)}
+    counts = LeaseTokenCounts(fast.config.vocab_size, pool.device)
+    grammars = LeaseGrammars(checkpoint.tokenizer, fast.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        batches, first_page = {}, 0
+        for k, size in enumerate(sizes):
+            prompts = [torch.randint(100, fast.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+                       for _ in range(size)]
+            batches[size] = Batch(runners["kernels"], SamplingParams(temperature=0), 1 + k * 1000, first_page, size,
+                                  pages_per_seq, prompts, counts, grammars)
+            first_page += size * pages_per_seq
+        times: dict[tuple[str, int], list[float]] = {(name, size): [] for name in runners for size in sizes}
+        for _ in range(args.steps):
+            for size, batch in batches.items():
+                for name, runner in runners.items():
+                    batch.runner = runner
+                    t0 = time.perf_counter()
+                    batch.step()
+                    times[(name, size)].append(time.perf_counter() - t0)
+    print(f"decode step, fp32, {torch.get_num_threads()} threads, context ≈{args.prompt_tokens + args.steps} tokens, "
+          f"{args.steps} steps each, every guard on, interleaved ({fast.attention.name} vs {slow.attention.name} "
+          "attention)")
+    print(f"{'batch':>6}{'kernels ms':>12}{'torch+oneDNN ms':>17}{'speed-up':>10}")
+    for size in sizes:
+        k = statistics.median(times[("kernels", size)][2:]) * 1e3
+        o = statistics.median(times[("torch", size)][2:]) * 1e3
+        print(f"{size:>6}{k:>12.2f}{o:>17.2f}{o / k:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
