@@ -57,6 +57,7 @@ class EtcdServer:
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.1)
+        self.stop()
         raise TimeoutError(f"etcd not healthy after 30 s:\n{(self.directory / 'etcd.log').read_text()}")
 
     def registered_controls(self) -> set[str] | None:
@@ -70,7 +71,12 @@ class EtcdServer:
             return None
 
     def stop(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL after 10 s); no etcd outlives its test."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
         self._log.close()

@@ -54,12 +54,19 @@ class Deployment:
         self.etcd = EtcdServer(directory, (hosts.here("prefill"), hosts.here("decode"))) \
             if transport == "tcp" else None
         self.workers: list[WorkerProcess] = []
-        for role in ("prefill", "decode", "decode") if self.etcd else ("prefill", "decode"):
-            self.add_worker(role)
-        for w in self.workers:
-            w.wait_ready()
         self.fronts = 0
-        self.front = self.start_front()
+        try:
+            for role in ("prefill", "decode", "decode") if self.etcd else ("prefill", "decode"):
+                self.add_worker(role)
+            for w in self.workers:
+                w.wait_ready()
+            self.front = self.start_front()
+        except BaseException:  # nothing it started outlives a failed set-up
+            for w in self.workers:
+                w.stop()
+            if self.etcd is not None:
+                self.etcd.stop()
+            raise
 
     def add_worker(self, role: str, *extra: str) -> WorkerProcess:
         registering = ("--discovery", f"etcd://{self.hosts.here(role)}:{self.etcd.port}") if self.etcd else ()
@@ -85,11 +92,13 @@ class Deployment:
 
     def stop(self) -> None:
         killed = [w for w in self.workers if w.proc.poll() is not None]
-        codes = [self.front.stop(), *(w.stop() for w in self.workers if w not in killed)]
-        for w in killed:
-            w.stop()
-        if self.etcd is not None:
-            self.etcd.stop()
+        try:
+            codes = [self.front.stop(), *(w.stop() for w in self.workers if w not in killed)]
+            for w in killed:
+                w.stop()
+        finally:
+            if self.etcd is not None:
+                self.etcd.stop()
         assert all(c == 0 for c in codes), (codes, self.front.log(), *(w.log() for w in self.workers))
 
 
