@@ -7,6 +7,11 @@ columns alike; the ratio is the number to read.
 
     .venv/bin/python scripts/bench_kernels.py                 # batches 1,4,16,32
     .venv/bin/python scripts/bench_kernels.py --batches 16 --steps 40
+    .venv/bin/python scripts/bench_kernels.py --ops           # each kernel alone, on the model's shapes
+
+With --ops: each linear of the default model at M = 1, 4, 16, 128 rows, packed GEMM against
+oneDNN, on 1 and 2 threads (weights in cache: the kernels' compute, not the memory); and decode
+attention of 16 sequences of 143 keys against the torch path's gather + bmm.
 """
 
 from __future__ import annotations
@@ -34,15 +39,67 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sampling import PAGE_SIZE, Batch  # noqa: E402
 
 
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def per_call(fn, repeats: int = 50) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per call, the median of `repeats` timed calls after two untimed ones."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ops() -> None:
+    from kvfence.engine.attention import build_attention_batch, paged_attention
+    from kvfence.kernels import cpu_attention, cpu_gemm
+
+    print(f"{'threads':>8}{'M':>5}" + "".join(f"{name:>18}" for name in SHAPES) + "   (GFLOP/s packed / oneDNN)")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for m in (1, 4, 16, 128):
+            cells = []
+            for n, k in SHAPES.values():
+                w, x = torch.randn(n, k), torch.randn(m, k)
+                packed, onednn = cpu_gemm.PackedWeight(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+                flops = 2 * m * n * k
+                mine = flops / per_call(lambda: packed(x)) / 1e9
+                theirs = flops / per_call(lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [],
+                                                                                      "")) / 1e9
+                cells.append(f"{mine:7.1f} / {theirs:5.1f}")
+            print(f"{threads:>8}{m:>5}" + "".join(f"{c:>18}" for c in cells))
+    torch.set_num_threads(2)
+    pages, page_size, kv_heads, group, head_dim, batch, keys_per_seq = 400, 16, 3, 3, 64, 16, 143
+    layer = torch.randn(pages, 2, kv_heads, page_size, head_dim)
+    keys, values = layer[:, 0], layer[:, 1]
+    need = -(-keys_per_seq // page_size)
+    order = (torch.randperm(pages - 1) + 1).tolist()
+    step = build_attention_batch(page_size, [(order[i * need:(i + 1) * need], keys_per_seq) for i in range(batch)],
+                                 [], torch.device("cpu"))
+    q = torch.randn(batch, kv_heads * group, head_dim)
+    tables = cpu_attention.DecodeTables.checked(step.decode_page_table, step.decode_kv_lens, pages, page_size)
+    mine = per_call(lambda: cpu_attention.decode_attention(q, keys, values, tables, head_dim ** -0.5))
+    theirs = per_call(lambda: paged_attention(q, keys, values, step))
+    print(f"\ndecode attention, {batch} sequences x {keys_per_seq} keys, {kv_heads} KV heads x {group} queries, "
+          f"2 threads: CPU kernel {mine * 1e6:.0f} us, torch path {theirs * 1e6:.0f} us ({theirs / mine:.1f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--ops", action="store_true", help="each kernel alone instead of whole steps")
     args = ap.parse_args()
-    sizes = [int(b) for b in args.batches.split(",")]
     if not cpu_kernels.available():
         raise SystemExit(f"the CPU kernels are unavailable here: {cpu_kernels.unavailable_reason()}")
+    if args.ops:
+        return ops()
+    sizes = [int(b) for b in args.batches.split(",")]
     checkpoint = load_model_spec(None, kvfence_home(), progress=False)
     fast = LlamaModel(checkpoint, torch.float32)
     os.environ["KVFENCE_CPU_KERNELS"] = "off"
