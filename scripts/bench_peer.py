@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The yardstick, side by side: llama.cpp's own `llama-server` and kvfence on the same requests,
-one after the other in one run, at every concurrency level; a table with ratios and a plot.
+both up in one run, taking turns at every concurrency level; a table with ratios and a plot.
 
   .venv/bin/python scripts/bench_peer.py                       # fp32, c = 1, 4, 16
   .venv/bin/python scripts/bench_peer.py --dtype bfloat16      # both in bf16
@@ -96,18 +96,16 @@ def serving(url: str) -> bool:
         return False
 
 
-def measure(name: str, url: str, args: argparse.Namespace, extra: dict) -> dict[int, dict]:
-    bench = argparse.Namespace(url=url, model=args.model_name, requests=args.requests, prompt_tokens=args.prompt_tokens,
-                               output_tokens=args.output_tokens, chat=True, extra=json.dumps(extra), no_keepalive=True)
-    asyncio.run(bench_serve.run_level(bench, 2, None))  # warm-up: both servers start cold
-    results = {}
-    for c in args.levels:
-        results[c] = asyncio.run(bench_serve.run_level(bench, c, None))
-        r = results[c]
-        print(f"{name:>9} c={c:<3} {r['ok']:>3} ok {r['errors']} err  TTFT p50 {r['ttft_p50']:.3f} "
-              f"p99 {r['ttft_p99']:.3f} s  ITL p50 {r['itl_p50'] * 1000:.1f} ms  {r['output_tok_s']:.1f} tok/s",
-              flush=True)
-    return results
+def bench_args(url: str, args: argparse.Namespace, extra: dict) -> argparse.Namespace:
+    return argparse.Namespace(url=url, model=args.model_name, requests=args.requests, prompt_tokens=args.prompt_tokens,
+                              output_tokens=args.output_tokens, chat=True, extra=json.dumps(extra), no_keepalive=True)
+
+
+def measure_level(name: str, bench: argparse.Namespace, c: int) -> dict:
+    r = asyncio.run(bench_serve.run_level(bench, c, None))
+    print(f"{name:>9} c={c:<3} {r['ok']:>3} ok {r['errors']} err  TTFT p50 {r['ttft_p50']:.3f} "
+          f"p99 {r['ttft_p99']:.3f} s  ITL p50 {r['itl_p50'] * 1000:.1f} ms  {r['output_tok_s']:.1f} tok/s", flush=True)
+    return r
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -167,27 +165,35 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench_peer-"))
     print(f"model {model.name} ({args.dtype}); logs in {logs}; kvfence flags: {' '.join(ours_flags) or '(defaults)'}")
 
-    port = free_port()
+    peer_port, our_port = free_port(), free_port()
     peer = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(peer_gguf), "--host", "127.0.0.1",
-                             "--port", str(port), "--parallel", str(SLOTS), "--ctx-size", str(SLOTS * 2048),
+                             "--port", str(peer_port), "--parallel", str(SLOTS), "--ctx-size", str(SLOTS * 2048),
                              "--threads", str(args.threads), "--cont-batching", "--alias", args.model_name],
                             stdout=open(logs / "peer.log", "w"), stderr=subprocess.STDOUT)
+    ours_proc = None
     try:
-        wait_for(lambda: serving(f"http://127.0.0.1:{port}"), f"llama-server (log {logs / 'peer.log'})")
-        theirs = measure("llama.cpp", f"http://127.0.0.1:{port}", args, {"cache_prompt": False})
+        wait_for(lambda: serving(f"http://127.0.0.1:{peer_port}"), f"llama-server (log {logs / 'peer.log'})")
+        # An idle kvfence does nothing while the peer is measured: no periodic readiness canary.
+        ours_proc = subprocess.Popen([sys.executable, "-m", "kvfence.app.cli", "serve", "--model", str(model),
+                                      "--port", str(our_port), "--dtype", args.dtype, "--canary-interval", "3600",
+                                      *POOLS, *ours_flags],
+                                     stdout=open(logs / "kvfence.log", "w"), stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        wait_for(lambda: ready(f"http://127.0.0.1:{our_port}"), f"kvfence (log {logs / 'kvfence.log'})")
+        benches = {"llama.cpp": bench_args(f"http://127.0.0.1:{peer_port}", args, {"cache_prompt": False}),
+                   "kvfence": bench_args(f"http://127.0.0.1:{our_port}", args, {})}
+        for bench in benches.values():  # warm-up: both servers start cold
+            asyncio.run(bench_serve.run_level(bench, 2, None))
+        # Level by level, the two take turns: a shared host's drift falls on both alike.
+        results: dict[str, dict[int, dict]] = {name: {} for name in benches}
+        for c in args.levels:
+            for name, bench in benches.items():
+                results[name][c] = measure_level(name, bench, c)
+        theirs, ours = results["llama.cpp"], results["kvfence"]
     finally:
         stop(peer)
-
-    port = free_port()
-    ours_proc = subprocess.Popen([sys.executable, "-m", "kvfence.app.cli", "serve", "--model", str(model),
-                                  "--port", str(port), "--dtype", args.dtype, *POOLS, *ours_flags],
-                                 stdout=open(logs / "kvfence.log", "w"), stderr=subprocess.STDOUT,
-                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        wait_for(lambda: ready(f"http://127.0.0.1:{port}"), f"kvfence (log {logs / 'kvfence.log'})")
-        ours = measure("kvfence", f"http://127.0.0.1:{port}", args, {})
-    finally:
-        stop(ours_proc)
+        if ours_proc is not None:
+            stop(ours_proc)
 
     print(f"\n{args.dtype}, chat streams of ≈{args.prompt_tokens} prompt words and {args.output_tokens} tokens, "
           f"{args.requests} requests per level")
