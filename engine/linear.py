@@ -31,11 +31,12 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
 class Linear:
     """y = x @ weight.T + bias, for x: [T, in] -> [T, out]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, cpu_gemm_ok: bool = True) -> None:
+        """`cpu_gemm_ok`: False keeps a float32 CPU weight on oneDNN even where the CPU kernels run."""
         self.out_features, self.in_features = weight.shape  # weight: [out, in]
         self.bias = bias
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.available():
+        if cpu_gemm_ok and weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.available():
             self.packed = cpu_gemm.PackedWeight(weight, bias)
             self.onednn, self.weight = False, None
             return

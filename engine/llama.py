@@ -19,6 +19,7 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.linear import Linear
 from kvfence.engine.model_config import ModelConfig
 from kvfence.engine.rope import Rope
+from kvfence.kernels import cpu_elementwise
 
 
 @dataclasses.dataclass
@@ -33,20 +34,27 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 attention_backend: str = "auto") -> None:
-        """`attention_backend`: auto | torch | cpu | triton (engine/attention_backend.py)."""
+                 attention_backend: str = "auto", cpu_kernels: bool = True) -> None:
+        """`attention_backend`: auto | torch | cpu | triton (engine/attention_backend.py).
+        `cpu_kernels`: False runs torch's paths (oneDNN linears, torch attention under auto, torch
+        norms) even where kernels/cpu_kernels.py runs: what benchmarks compare against."""
         self.config: ModelConfig = checkpoint.config
         self.dtype = dtype
         self.device = torch.device(device)
+        if not cpu_kernels and attention_backend == "auto" and self.device.type == "cpu":
+            attention_backend = "torch"
         self.attention = select_attention_backend(attention_backend, self.device)
         t = checkpoint.tensors
 
         def w(name: str) -> torch.Tensor:
             return t[name].to(device=self.device, dtype=dtype).contiguous()
 
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, cpu_gemm_ok=cpu_kernels)
+
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = w("model.norm.weight")
-        self.lm_head = Linear(self.embed if self.config.tie_word_embeddings else w("lm_head.weight"))
+        self.lm_head = linear(self.embed if self.config.tie_word_embeddings else w("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(self.config.num_layers):
             p = f"model.layers.{i}."
@@ -56,17 +64,30 @@ class LlamaModel:
                 bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                qkv=linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
                            bias),
-                o=Linear(w(a + "o_proj.weight")),
+                o=linear(w(a + "o_proj.weight")),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                down=Linear(w(p + "mlp.down_proj.weight")),
+                gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                down=linear(w(p + "mlp.down_proj.weight")),
             ))
         self.rope = Rope(self.config, dtype, self.device, checkpoint.rope_freq_factors)
+        # The norms and SiLU·up as one C call each where the CPU kernels run (kernels/cpu_elementwise.py).
+        c = self.config
+        self.fused_elementwise = cpu_kernels and all(
+            cpu_elementwise.usable(torch.empty(0, n, dtype=dtype, device=self.device))
+            for n in (c.hidden_size, c.intermediate_size))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_elementwise:
+            return cpu_elementwise.rms_norm(x, weight, self.config.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_elementwise:
+            return cpu_elementwise.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
+        return F.silu(gate) * up
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -92,7 +113,6 @@ class LlamaModel:
             attn = self.attention.paged_attention(q, keys, values, batch)  # [T, heads, head_dim]
             x = x + layer.o(attn.reshape(num_tokens, c.q_size))
             h = self._norm(x, layer.mlp_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, intermediate] each
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(self._silu_mul(layer.gate_up(h)))
         x = self._norm(x[logits_rows], self.final_norm)  # [N, hidden]
         return self.lm_head(x).float()  # [N, vocab]

@@ -3,6 +3,7 @@
  *   kvfence_pack / kvfence_gemm       y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])
  *   kvfence_decode_attention          one query token per sequence over its KV pages, in place
  *   kvfence_store_kv                  a step's new K/V rows into their pages
+ *   kvfence_rms_norm, kvfence_silu_mul  the element-wise steps of a layer, one call each
  *
  * GEMM. W is packed once (kvfence_pack) into panels of 16 output columns: panel p holds
  * W[16p .. 16p+15, k] for k = 0..K-1 as K rows of 16 floats, the last panel zero-padded. One panel
@@ -265,6 +266,41 @@ void kvfence_store_kv(const float *k, const float *v, float *keys, float *values
         for (int64_t h = 0; h < kv_heads; h++) {
             memcpy(keys + base + h * head_stride, k + (t * kv_heads + h) * d, (size_t)d * sizeof(float));
             memcpy(values + base + h * head_stride, v + (t * kv_heads + h) * d, (size_t)d * sizeof(float));
+        }
+    }
+}
+
+/* ---- element-wise ----------------------------------------------------------------------------
+ *
+ * kvfence_rms_norm: y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows of d floats (d % 8 == 0).
+ * kvfence_silu_mul: y[r, i] = silu(gu[r, i]) * gu[r, n + i] for i < n (n % 8 == 0): the gate and
+ * up halves of one fused projection. One thread each: at decode sizes a call is microseconds.
+ */
+void kvfence_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t d, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        float *yr = y + r * d;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv),
+                                                   _mm256_loadu_ps(w + i)));
+    }
+}
+
+void kvfence_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * n, *u = g + n;
+        float *yr = y + r * n;
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
         }
     }
 }

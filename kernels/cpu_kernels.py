@@ -1,5 +1,5 @@
 """The CPU kernels of a decode step (cpu_kernels.c), built on first use and loaded through ctypes;
-their Python faces are kernels/cpu_gemm.py and kernels/cpu_attention.py.
+their Python faces are kernels/cpu_gemm.py, kernels/cpu_attention.py and kernels/cpu_elementwise.py.
 
 Why: a decode step multiplies a few rows by every weight of the model, so it is a stream of the
 weights, and reads every sequence's KV pages once; oneDNN's small-M GEMM reads the weights at a
@@ -105,6 +105,10 @@ def _library() -> _Library:
     lib.kvfence_decode_attention.restype = None
     lib.kvfence_store_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.kvfence_store_kv.restype = None
+    lib.kvfence_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.kvfence_rms_norm.restype = None
+    lib.kvfence_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.kvfence_silu_mul.restype = None
     return _Library(lib, "")
 
 

@@ -1,7 +1,8 @@
 """The CPU kernels (kernels/cpu_kernels.c) against the paths they replace, interleaved step by step.
 
-Two models over one pool: one with the packed GEMM and the CPU attention backend, one with
-oneDNN linears and the torch attention path (KVFENCE_CPU_KERNELS=off). Each batch size decodes
+Two models over one pool: one with the CPU kernels (packed GEMM, CPU attention backend, fused
+norms and SiLU·up), one with torch's paths (oneDNN linears, torch attention, torch norms:
+`LlamaModel(cpu_kernels=False)`). Each batch size decodes
 greedy steps taking turns on the two, so a machine that drifts (a shared host does) moves both
 columns alike; the ratio is the number to read.
 
@@ -17,7 +18,6 @@ attention of 16 sequences of 143 keys against the torch path's gather + bmm.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -102,9 +102,7 @@ def main() -> None:
     sizes = [int(b) for b in args.batches.split(",")]
     checkpoint = load_model_spec(None, kvfence_home(), progress=False)
     fast = LlamaModel(checkpoint, torch.float32)
-    os.environ["KVFENCE_CPU_KERNELS"] = "off"
-    cpu_kernels._library.cache_clear()
-    slow = LlamaModel(checkpoint, torch.float32)
+    slow = LlamaModel(checkpoint, torch.float32, cpu_kernels=False)
     pages_per_seq = -(-(args.prompt_tokens + args.steps * 2 + 8) // PAGE_SIZE)
     pool = KVPool(fast.config, sum(sizes) * pages_per_seq, PAGE_SIZE, torch.float32)
     runners = {"kernels": ModelRunner(fast, pool), "torch": ModelRunner(slow, pool)}
