@@ -69,7 +69,7 @@ class CpuBackend(TorchBackend):
         # AttentionBatch. A tuple swapped whole, so threads sharing this backend at worst check twice.
         self._last: tuple[AttentionBatch, Any, Any] | None = None
 
-    def _checked(self, batch: AttentionBatch, keys: torch.Tensor) -> tuple[Any, Any]:
+    def checked(self, batch: AttentionBatch, keys: torch.Tensor) -> tuple[Any, Any]:
         """(StoreSlots, DecodeTables) of `batch`, checked against this pool once per step."""
         last = self._last
         if last is not None and last[0] is batch:
@@ -85,7 +85,7 @@ class CpuBackend(TorchBackend):
                  batch: AttentionBatch) -> None:
         if not self._kernel.usable(k, keys):
             return attention.store_kv(keys, values, k, v, batch)
-        self._kernel.store_kv(keys, values, k, v, self._checked(batch, keys)[0])
+        self._kernel.store_kv(keys, values, k, v, self.checked(batch, keys)[0])
 
     def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         batch: AttentionBatch) -> torch.Tensor:
@@ -93,7 +93,7 @@ class CpuBackend(TorchBackend):
         if not nd or not self._kernel.usable(q, keys):
             return attention.paged_attention(q, keys, values, batch)
         out = torch.empty_like(q)
-        self._kernel.decode_attention(q[:nd], keys, values, self._checked(batch, keys)[1],
+        self._kernel.decode_attention(q[:nd], keys, values, self.checked(batch, keys)[1],
                                       1.0 / math.sqrt(q.shape[2]), out=out[:nd])
         attention.prefill_attention(q, keys, values, batch, out)
         return out

@@ -4,6 +4,7 @@
  *   kvfence_decode_attention          one query token per sequence over its KV pages, in place
  *   kvfence_store_kv                  a step's new K/V rows into their pages
  *   kvfence_rms_norm, kvfence_silu_mul  the element-wise steps of a layer, one call each
+ *   kvfence_decode_layer              all of the above for one layer of a decode step, one call
  *
  * GEMM. W is packed once (kvfence_pack) into panels of 16 output columns: panel p holds
  * W[16p .. 16p+15, k] for k = 0..K-1 as K rows of 16 floats, the last panel zero-padded. One panel
@@ -49,13 +50,19 @@ void kvfence_pack(const float *w, int64_t n, int64_t k, float *packed) {
         c##r##1 = _mm256_fmadd_ps(xv, w1, c##r##1);                       \
     }
 #define ROW_STORE(r)                                                      \
-    if (rows > r) store_row(y + r * ldy, c##r##0, c##r##1, cols, bias);
+    if (rows > r) store_row(y + r * ldy, c##r##0, c##r##1, cols, bias, accumulate);
 
 static inline __attribute__((always_inline)) void
-store_row(float *y, __m256 a0, __m256 a1, int64_t cols, const float *bias) {
+store_row(float *y, __m256 a0, __m256 a1, int64_t cols, const float *bias, int accumulate) {
     if (bias) {
         a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias));
         a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bias + 8));
+    }
+    if (accumulate) {  /* y += the block: a residual added as torch adds it (one rounding) */
+        float old[NR] = {0};
+        memcpy(old, y, (size_t)cols * sizeof(float));
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(old));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(old + 8));
     }
     if (cols == NR) {
         _mm256_storeu_ps(y, a0);
@@ -70,7 +77,7 @@ store_row(float *y, __m256 a0, __m256 a1, int64_t cols, const float *bias) {
 
 static inline __attribute__((always_inline)) void
 block(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
-      float *y, int64_t ldy, int64_t cols, const float *bias, const float *next) {
+      float *y, int64_t ldy, int64_t cols, const float *bias, const float *next, int accumulate) {
     ROW_DECL(0) ROW_DECL(1) ROW_DECL(2) ROW_DECL(3) ROW_DECL(4) ROW_DECL(5)
     for (int64_t kk = 0; kk < k; kk++) {
         if (next)  /* one line of the next panel per k: it streams in while this one computes */
@@ -84,22 +91,23 @@ block(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
 
 /* The same block for each row count, so that the compiler drops the dead rows' registers. */
 static void block_rows(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
-                       float *y, int64_t ldy, int64_t cols, const float *bias, const float *next) {
+                       float *y, int64_t ldy, int64_t cols, const float *bias, const float *next, int accumulate) {
     switch (rows) {
-    case 6: block(x, ldx, panel, k, 6, y, ldy, cols, bias, next); break;
-    case 5: block(x, ldx, panel, k, 5, y, ldy, cols, bias, next); break;
-    case 4: block(x, ldx, panel, k, 4, y, ldy, cols, bias, next); break;
-    case 3: block(x, ldx, panel, k, 3, y, ldy, cols, bias, next); break;
-    case 2: block(x, ldx, panel, k, 2, y, ldy, cols, bias, next); break;
-    default: block(x, ldx, panel, k, 1, y, ldy, cols, bias, next); break;
+    case 6: block(x, ldx, panel, k, 6, y, ldy, cols, bias, next, accumulate); break;
+    case 5: block(x, ldx, panel, k, 5, y, ldy, cols, bias, next, accumulate); break;
+    case 4: block(x, ldx, panel, k, 4, y, ldy, cols, bias, next, accumulate); break;
+    case 3: block(x, ldx, panel, k, 3, y, ldy, cols, bias, next, accumulate); break;
+    case 2: block(x, ldx, panel, k, 2, y, ldy, cols, bias, next, accumulate); break;
+    default: block(x, ldx, panel, k, 1, y, ldy, cols, bias, next, accumulate); break;
     }
 }
 
-/* bias: NULL, or N floats padded to a multiple of 16 (the padding is never stored to y). */
-void kvfence_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                  const float *bias, float *y, int threads) {
+/* The panels shared out over the calling OpenMP team (an orphaned `omp for`: kvfence_gemm opens
+ * a team for it, kvfence_decode_layer calls it inside its own). accumulate: y += x @ W^T. */
+static void gemm_panels(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                        const float *bias, float *y, int accumulate) {
     int64_t panels = (n + NR - 1) / NR;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const float *panel = packed + p * k * NR;
         int64_t col = p * NR;
@@ -108,9 +116,16 @@ void kvfence_gemm(const float *x, int64_t m, int64_t k, const float *packed, int
         const float *next = p + 1 < panels ? panel + k * NR : 0;
         for (int64_t r = 0; r < m; r += MR) {
             int rows = m - r < MR ? (int)(m - r) : MR;
-            block_rows(x + r * k, k, panel, k, rows, y + r * n + col, n, cols, b, r == 0 ? next : 0);
+            block_rows(x + r * k, k, panel, k, rows, y + r * n + col, n, cols, b, r == 0 ? next : 0, accumulate);
         }
     }
+}
+
+/* bias: NULL, or N floats padded to a multiple of 16 (the padding is never stored to y). */
+void kvfence_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                  const float *bias, float *y, int threads) {
+    #pragma omp parallel num_threads(threads)
+    gemm_panels(x, m, k, packed, n, bias, y, 0);
 }
 
 /* ---- decode attention ------------------------------------------------------------------------
@@ -276,31 +291,125 @@ void kvfence_store_kv(const float *k, const float *v, float *keys, float *values
  * kvfence_silu_mul: y[r, i] = silu(gu[r, i]) * gu[r, n + i] for i < n (n % 8 == 0): the gate and
  * up halves of one fused projection. One thread each: at decode sizes a call is microseconds.
  */
-void kvfence_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t d, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * d;
-        float *yr = y + r * d;
-        __m256 ss = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) {
-            __m256 v = _mm256_loadu_ps(xr + i);
-            ss = _mm256_fmadd_ps(v, v, ss);
-        }
-        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
-        for (int64_t i = 0; i < d; i += 8)
-            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv),
-                                                   _mm256_loadu_ps(w + i)));
+static inline void rms_norm_row(const float *x, const float *w, float *y, int64_t d, float eps) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _mm256_loadu_ps(w + i)));
+}
+
+static inline void silu_mul_row(const float *g, float *y, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const float *u = g + n;
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
     }
 }
 
+void kvfence_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t d, float eps) {
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row(x + r * d, w, y + r * d, d, eps);
+}
+
 void kvfence_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * n, *u = g + n;
-        float *yr = y + r * n;
-        for (int64_t i = 0; i < n; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
-            _mm256_storeu_ps(yr + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(gu + r * 2 * n, y + r * n, n);
+}
+
+/* ---- one decoder layer of a decode step ------------------------------------------------------
+ *
+ * kvfence_decode_layer runs a whole Llama layer for B sequences that each feed one token, in place
+ * on the residual stream x [B, hidden], inside one OpenMP team (a barrier between phases instead
+ * of a thread fork and a Python dispatch per op):
+ *
+ *   h = rms_norm(x, attn_norm); qkv = h @ Wqkv^T (+ bias); rotate q and k (rope); store k, v into
+ *   their slots; attn = attention(q, the pages of `table`); x += attn @ Wo^T;
+ *   h = rms_norm(x, mlp_norm); gu = h @ Wgate_up^T; act = silu(gate) * up; x += act @ Wdown^T.
+ *
+ * Each phase computes exactly what the one-op-per-call path computes (the same GEMM panels and
+ * summation order, the same attention, rope as x*cos + rot(x)*sin without contraction), so its
+ * results equal that path's bit for bit (tests/kernels/test_cpu_layer.py). The slots and tables
+ * are checked by the caller once per step (kernels/cpu_attention.py), as for the separate calls.
+ */
+struct kvfence_layer_weights {
+    const float *attn_norm, *mlp_norm;  /* [hidden] */
+    const float *qkv, *qkv_bias;        /* packed [qkv_n, hidden]; bias padded, or NULL */
+    const float *o;                     /* packed [hidden, q_size] */
+    const float *gate_up;               /* packed [2 * inter, hidden] */
+    const float *down;                  /* packed [hidden, inter] */
+};
+
+struct kvfence_decode_step {
+    int64_t batch, hidden, heads, kv_heads, d, inter;
+    float eps, scale;
+    const float *cos, *sin;                   /* [B, d]: (cos, cos) and (-sin, sin) per position */
+    const int64_t *slot_pages, *slot_offsets; /* [B] where each new K/V row goes */
+    const int64_t *table;                     /* [B, max_pages] */
+    int64_t max_pages;
+    const int64_t *kv_lens;                   /* [B] keys incl. the new one */
+    int64_t page_size, page_stride, head_stride;
+    float *h, *qkv, *attn, *gu, *act;         /* scratch: [B, hidden], [B, qkv_n], [B, q], [B, 2 inter], [B, inter] */
+    float *scores;                            /* threads * scores_per_thread */
+    int64_t scores_per_thread;
+    int threads;
+};
+
+/* x[0..d) of one head, rotated in place: out = x * cos + rot(x) * sin, rot(x) = (x2, x1) for the
+ * halves x1, x2 (sin holds (-sin, sin)); d % 16 == 0. */
+static inline void rope_head(float *x, const float *cos, const float *sin, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i += 8) {
+        __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+        _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(cos + i)),
+                                              _mm256_mul_ps(x2, _mm256_loadu_ps(sin + i))));
+        _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(cos + half + i)),
+                                                     _mm256_mul_ps(x1, _mm256_loadu_ps(sin + half + i))));
+    }
+}
+
+void kvfence_decode_layer(const struct kvfence_layer_weights *w, const struct kvfence_decode_step *s,
+                          float *x, float *keys, float *values) {
+    const int64_t b_n = s->batch, hidden = s->hidden, d = s->d, group = s->heads / s->kv_heads;
+    const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d, qkv_n = q_size + 2 * kv_size;
+    #pragma omp parallel num_threads(s->threads)
+    {
+        float *scores = s->scores + omp_get_thread_num() * s->scores_per_thread;
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < b_n; b++)
+            rms_norm_row(x + b * hidden, w->attn_norm, s->h + b * hidden, hidden, s->eps);
+        gemm_panels(s->h, b_n, hidden, w->qkv, qkv_n, w->qkv_bias, s->qkv, 0);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < b_n; b++) {
+            float *row = s->qkv + b * qkv_n;
+            for (int64_t hh = 0; hh < s->heads + s->kv_heads; hh++)
+                rope_head(row + hh * d, s->cos + b * d, s->sin + b * d, d);
+            int64_t base = s->slot_pages[b] * s->page_stride + s->slot_offsets[b] * d;
+            for (int64_t h = 0; h < s->kv_heads; h++) {
+                memcpy(keys + base + h * s->head_stride, row + q_size + h * d, (size_t)d * sizeof(float));
+                memcpy(values + base + h * s->head_stride, row + q_size + kv_size + h * d, (size_t)d * sizeof(float));
+            }
         }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < b_n * s->kv_heads; job++) {
+            int64_t b = job / s->kv_heads, h = job % s->kv_heads;
+            attend_one(s->qkv + b * qkv_n + h * group * d, s->attn + b * q_size + h * group * d, keys, values,
+                       s->table + b * s->max_pages, s->kv_lens[b], s->page_size, s->page_stride,
+                       h * s->head_stride, (int)group, d, s->scale, scores);
+        }
+        gemm_panels(s->attn, b_n, q_size, w->o, hidden, 0, x, 1);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < b_n; b++)
+            rms_norm_row(x + b * hidden, w->mlp_norm, s->h + b * hidden, hidden, s->eps);
+        gemm_panels(s->h, b_n, hidden, w->gate_up, 2 * s->inter, 0, s->gu, 0);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < b_n; b++)
+            silu_mul_row(s->gu + b * 2 * s->inter, s->act + b * s->inter, s->inter);
+        gemm_panels(s->act, b_n, s->inter, w->down, hidden, 0, x, 1);
     }
 }

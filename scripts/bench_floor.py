@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """How far a decode step is from what this machine allows: its read bandwidth and GEMM peak, the
-decode step of the default model at several batch sizes against its floor, and where a batch-16
-step's time goes.
+decode step of the default model at several batch sizes against its floor, and where one batch's
+step time goes (batch 16 unless --profile-batch says otherwise).
 
 The floor of a step is max(weight bytes / read bandwidth, FLOPs / GEMM peak): every step reads
 every weight once, and does 2 FLOPs per weight per sequence (attention's share is small at
 these contexts and counted too). Bandwidth: a summing read of a tensor far larger than the
 caches, with as many threads as a worker's compute uses; peak: a large square GEMM.
 
-    .venv/bin/python scripts/bench_floor.py [--batches 1,4,16,32] [--steps 30] [--prompt-tokens 128]
+    .venv/bin/python scripts/bench_floor.py [--batches 1,4,16,32] [--steps 30] [--prompt-tokens 128] [--profile-batch 16]
 """
 
 from __future__ import annotations
@@ -80,18 +80,24 @@ def _labelled(module, name: str, label: str) -> None:  # type: ignore[no-untyped
 def profile(runner: ModelRunner, batch: Batch, rows: int = 16) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from kvfence.kernels import cpu_attention, cpu_gemm
+    from kvfence.kernels import cpu_attention, cpu_elementwise, cpu_gemm, cpu_layer
 
-    original = (cpu_gemm.PackedWeight.__call__, cpu_attention.decode_attention, cpu_attention.store_kv)
-    _labelled(cpu_gemm.PackedWeight, "__call__", "kvfence::gemm (C)")
-    _labelled(cpu_attention, "decode_attention", "kvfence::decode_attention (C)")
-    _labelled(cpu_attention, "store_kv", "kvfence::store_kv (C)")
+    wrapped = [(cpu_layer.DecodeLayers, "run", "kvfence::decode_layers (C, every layer)"),
+               (cpu_gemm.PackedWeight, "__call__", "kvfence::gemm (C)"),
+               (cpu_attention, "decode_attention", "kvfence::decode_attention (C)"),
+               (cpu_attention, "store_kv", "kvfence::store_kv (C)"),
+               (cpu_elementwise, "rms_norm", "kvfence::rms_norm (C)"),
+               (cpu_elementwise, "silu_mul", "kvfence::silu_mul (C)")]
+    original = [getattr(module, name) for module, name, _ in wrapped]
+    for module, name, label in wrapped:
+        _labelled(module, name, label)
     try:
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 batch.step()
     finally:
-        cpu_gemm.PackedWeight.__call__, cpu_attention.decode_attention, cpu_attention.store_kv = original
+        for (module, name, _), inner in zip(wrapped, original):
+            setattr(module, name, inner)
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events)
     print(f"\nwhere a batch-{len(batch.leases)} step goes (5 steps, self CPU time, ops over 1%):")
@@ -108,6 +114,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--profile-batch", type=int, default=16, help="the batch whose step is profiled")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batches.split(",")]
     bw = read_bandwidth()
@@ -146,7 +153,7 @@ def main() -> None:
             floor = max(read_ms, compute_ms)
             print(f"{size:>6}{ms:>10.2f}{floor:>10.2f}{'memory' if read_ms >= compute_ms else 'compute':>10}"
                   f"{ms / floor:>9.2f}{size / ms * 1e3:>9.1f}")
-        profile(runner, batches[16] if 16 in batches else next(iter(batches.values())))
+        profile(runner, batches.get(args.profile_batch, next(iter(batches.values()))))
 
 
 if __name__ == "__main__":

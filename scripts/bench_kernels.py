@@ -1,10 +1,11 @@
 """The CPU kernels (kernels/cpu_kernels.c) against the paths they replace, interleaved step by step.
 
-Two models over one pool: one with the CPU kernels (packed GEMM, CPU attention backend, fused
-norms and SiLU·up), one with torch's paths (oneDNN linears, torch attention, torch norms:
-`LlamaModel(cpu_kernels=False)`). Each batch size decodes
-greedy steps taking turns on the two, so a machine that drifts (a shared host does) moves both
-columns alike; the ratio is the number to read.
+Three models over one pool: the CPU kernels as the engine runs them (a decode step's layers one
+C call each, kernels/cpu_layer.py), the same kernels one call per op (packed GEMM, CPU attention
+backend, fused norms and SiLU·up), and torch's paths (oneDNN linears, torch attention, torch
+norms: `LlamaModel(cpu_kernels=False)`). Each batch size decodes greedy steps taking turns on the
+three, so a machine that drifts (a shared host does) moves every column alike; the ratios are
+the numbers to read.
 
     .venv/bin/python scripts/bench_kernels.py                 # batches 1,4,16,32
     .venv/bin/python scripts/bench_kernels.py --batches 16 --steps 40
@@ -102,10 +103,13 @@ def main() -> None:
     sizes = [int(b) for b in args.batches.split(",")]
     checkpoint = load_model_spec(None, kvfence_home(), progress=False)
     fast = LlamaModel(checkpoint, torch.float32)
+    per_op = LlamaModel(checkpoint, torch.float32)
+    per_op.decode_layers = None
     slow = LlamaModel(checkpoint, torch.float32, cpu_kernels=False)
-    pages_per_seq = -(-(args.prompt_tokens + args.steps * 2 + 8) // PAGE_SIZE)
+    pages_per_seq = -(-(args.prompt_tokens + args.steps * 3 + 8) // PAGE_SIZE)
     pool = KVPool(fast.config, sum(sizes) * pages_per_seq, PAGE_SIZE, torch.float32)
-    runners = {"kernels": ModelRunner(fast, pool), "torch": ModelRunner(slow, pool)}
+    runners = {"fused": ModelRunner(fast, pool), "per op": ModelRunner(per_op, pool),
+               "torch": ModelRunner(slow, pool)}
     counts = LeaseTokenCounts(fast.config.vocab_size, pool.device)
     grammars = LeaseGrammars(checkpoint.tokenizer, fast.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -114,7 +118,7 @@ def main() -> None:
         for k, size in enumerate(sizes):
             prompts = [torch.randint(100, fast.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
                        for _ in range(size)]
-            batches[size] = Batch(runners["kernels"], SamplingParams(temperature=0), 1 + k * 1000, first_page, size,
+            batches[size] = Batch(runners["fused"], SamplingParams(temperature=0), 1 + k * 1000, first_page, size,
                                   pages_per_seq, prompts, counts, grammars)
             first_page += size * pages_per_seq
         times: dict[tuple[str, int], list[float]] = {(name, size): [] for name in runners for size in sizes}
@@ -125,14 +129,14 @@ def main() -> None:
                     t0 = time.perf_counter()
                     batch.step()
                     times[(name, size)].append(time.perf_counter() - t0)
-    print(f"decode step, fp32, {torch.get_num_threads()} threads, context ≈{args.prompt_tokens + args.steps} tokens, "
+    print(f"decode step, fp32, {torch.get_num_threads()} threads, context ≈{args.prompt_tokens + args.steps * 3 // 2} tokens, "
           f"{args.steps} steps each, every guard on, interleaved ({fast.attention.name} vs {slow.attention.name} "
           "attention)")
-    print(f"{'batch':>6}{'kernels ms':>12}{'torch+oneDNN ms':>17}{'speed-up':>10}")
+    print(f"{'batch':>6}{'layer calls ms':>16}{'op calls ms':>13}{'torch+oneDNN ms':>17}"
+          f"{'vs op calls':>13}{'vs torch':>10}")
     for size in sizes:
-        k = statistics.median(times[("kernels", size)][2:]) * 1e3
-        o = statistics.median(times[("torch", size)][2:]) * 1e3
-        print(f"{size:>6}{k:>12.2f}{o:>17.2f}{o / k:>9.2f}x")
+        f, k, o = (statistics.median(times[(name, size)][2:]) * 1e3 for name in runners)
+        print(f"{size:>6}{f:>16.2f}{k:>13.2f}{o:>17.2f}{k / f:>12.2f}x{o / f:>9.2f}x")
 
 
 if __name__ == "__main__":

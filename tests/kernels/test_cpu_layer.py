@@ -1,0 +1,103 @@
+"""kernels/cpu_layer.py: a decode step's layers as one C call each compute exactly what the
+one-call-per-op loop computes (logits and every stored K/V row, bit for bit), at batch sizes that
+span several row blocks and page boundaries, with and without Q/K/V biases; they read and write
+only the pages the checked tables and slots name; the model takes them only where they apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfence.engine.attention import build_attention_batch
+from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.llama import LlamaModel
+from kvfence.engine.loading import load_checkpoint
+from kvfence.kernels import cpu_kernels
+from kvfence.kernels.cpu_attention import DecodeTables, StoreSlots
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available() and cpu_kernels.unavailable_as_expected(),
+                                reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    from tiny_models import TinySpec, make_tiny_pair
+
+    path, _, _ = make_tiny_pair(tmp_path_factory.mktemp(request.param), seed=11, spec=TinySpec(arch=request.param))
+    return load_checkpoint(Path(path))
+
+
+def prefilled(model: LlamaModel, lengths: list[int], pages_per_seq: int) -> tuple[KVPool, list[list[int]]]:
+    """A pool (its unused pages NaN) holding one prefilled sequence of each length, and their tables."""
+    pool = KVPool(model.config, 2 + len(lengths) * pages_per_seq, PAGE, torch.float32)
+    pool.data.fill_(float("nan"))
+    g = torch.Generator().manual_seed(len(lengths))
+    tables = [list(range(2 + i * pages_per_seq, 2 + (i + 1) * pages_per_seq)) for i in range(len(lengths))]
+    for table, n in zip(tables, lengths):
+        ids = torch.randint(3, model.config.vocab_size, (n,), generator=g)
+        batch = build_attention_batch(PAGE, [], [(table, 0, n)], torch.device("cpu"))
+        model.forward(ids, torch.arange(n), batch, pool, torch.tensor([n - 1]))
+    return pool, tables
+
+
+def decode(model: LlamaModel, pool: KVPool, tables: list[list[int]], lengths: list[int],
+           tokens: list[int]) -> torch.Tensor:
+    batch = build_attention_batch(PAGE, [(t, n + 1) for t, n in zip(tables, lengths)], [], torch.device("cpu"))
+    return model.forward(torch.tensor(tokens), torch.tensor(lengths), batch, pool, torch.arange(len(tokens)))
+
+
+@pytest.mark.parametrize("lengths", [[5], [16, 1, 31, 7, 47, 2, 16]], ids=["one", "seven"])
+def test_one_call_per_layer_equals_the_per_op_loop_bit_for_bit(checkpoint: Checkpoint, lengths: list[int]) -> None:
+    fused = LlamaModel(checkpoint, torch.float32)
+    assert fused.decode_layers is not None
+    looped = LlamaModel(checkpoint, torch.float32)
+    looped.decode_layers = None  # the same kernels, one call per op
+    pool, tables = prefilled(looped, lengths, pages_per_seq=4)
+    twin = KVPool(looped.config, pool.num_pages, PAGE, torch.float32)
+    twin.data.copy_(pool.data)
+    tokens = [7 + i for i in range(len(lengths))]
+    for step in range(3):  # the second and third steps read what the fused one stored
+        at = [n + step for n in lengths]
+        a, b = decode(fused, pool, tables, at, tokens), decode(looped, twin, tables, at, tokens)
+        assert torch.equal(a, b), (a - b).abs().max()
+        assert torch.equal(pool.data.nan_to_num(7.0), twin.data.nan_to_num(7.0))
+        tokens = a.argmax(-1).tolist()
+
+
+def test_only_the_named_pages_are_read_or_written(checkpoint: Checkpoint) -> None:
+    """Every page outside the sequences' tables stays NaN and no NaN reaches the logits; inside
+    them, only the new token's slot changes."""
+    model = LlamaModel(checkpoint, torch.float32)
+    lengths = [9, 20]
+    pool, tables = prefilled(model, lengths, pages_per_seq=3)
+    before = pool.data.clone()
+    logits = decode(model, pool, tables, lengths, [5, 6])
+    assert torch.isfinite(logits).all()
+    changed = ~((pool.data == before) | (pool.data.isnan() & before.isnan()))
+    slots = {(t[n // PAGE], n % PAGE) for t, n in zip(tables, lengths)}
+    touched = {(p, o) for p, o in changed.any(dim=(1, 2, 3, 5)).nonzero().tolist()}
+    assert touched == slots
+
+
+def test_the_model_takes_it_only_where_it_applies(checkpoint: Checkpoint) -> None:
+    assert LlamaModel(checkpoint, torch.float32).decode_layers is not None
+    assert LlamaModel(checkpoint, torch.float32, cpu_kernels=False).decode_layers is None
+    assert LlamaModel(checkpoint, torch.float32, attention_backend="torch").decode_layers is None
+
+
+def test_what_it_does_not_take_is_refused(checkpoint: Checkpoint) -> None:
+    model = LlamaModel(checkpoint, torch.float32)
+    pool = KVPool(model.config, 4, PAGE, torch.float32)
+    slots = StoreSlots.checked(torch.tensor([1]), torch.tensor([0]), 4, PAGE)
+    tables = DecodeTables.checked(torch.tensor([[1]]), torch.tensor([1]), 4, PAGE)
+    d, hidden = model.config.head_dim, model.config.hidden_size
+    with pytest.raises(ValueError, match="decode layers want"):  # two rows, one slot
+        model.decode_layers.run(torch.zeros(2, hidden), torch.ones(2, d), torch.ones(2, d), pool.data, slots, tables)
+    with pytest.raises(ValueError, match="decode layers want"):
+        model.decode_layers.run(torch.zeros(1, hidden, dtype=torch.float64), torch.ones(1, d), torch.ones(1, d),
+                                pool.data, slots, tables)
