@@ -137,7 +137,7 @@ void kvfence_gemm(const float *x, int64_t m, int64_t k, const float *packed, int
  * pages (the runner's owner check has admitted every one of them before the step).
  *
  * Per (sequence, KV head), on one thread, for each query of the group: its scores against the key
- * rows, page by page, an exact-max softmax with a vectorized exp, then the sum of the value rows
+ * rows, page by page, eight rows at a time (score_rows), an exact-max softmax with a vectorized exp, then the sum of the value rows
  * weighted by the unnormalized probabilities (64 output dims in registers), scaled once at the
  * end. The group's queries re-read the same rows from L2. Keys are summed in order, so a
  * sequence's result does not depend on the other sequences of the step.
@@ -173,6 +173,48 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The sum of v's lanes as ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order in which
+ * score_rows reduces eight rows at once, so a row's score does not depend on its neighbours. */
+static inline float tree_sum8(__m256 v) {
+    __m256 x = _mm256_hadd_ps(v, v);
+    x = _mm256_hadd_ps(x, x);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+}
+
+/* out[j] = (q . k_j) * scale for n contiguous key rows of d floats (d % 8 == 0). Eight rows at a
+ * time: one FMA chain per row, then the eight sums reduced together (six hadds, two lane swaps and
+ * an add instead of a horizontal sum per row); the rows left over take the same order one by one. */
+static inline void score_rows(const float *q, const float *k, int64_t n, int64_t d, float scale, float *out) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const float *r = k + j * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + i), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + d + i), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 2 * d + i), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 3 * d + i), a3);
+            a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 4 * d + i), a4);
+            a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 5 * d + i), a5);
+            a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 6 * d + i), a6);
+            a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 7 * d + i), a7);
+        }
+        __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+        __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(sums, sc));
+    }
+    for (; j < n; j++) {
+        const float *r = k + j * d;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(r + i), a);
+        out[j] = tree_sum8(a) * scale;
+    }
+}
+
 /* Runs the body (the last arguments) for every row t < kv_len of one (sequence, KV head) of
  * `base` (keys or values), page by page, with `row` pointing at it. */
 #define FOR_EACH_ROW(base, t, row, ...)                                                     \
@@ -190,17 +232,11 @@ static void attend_one(const float *q, float *out, const float *keys, const floa
     for (int g = 0; g < group; g++) {
         const float *qg = q + g * d;
         float *s = scores + g * ld;
-        FOR_EACH_ROW(keys, t, k, {
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= d; i += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(k + i + 8), a1);
-            }
-            if (i < d)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), a0);
-            s[t] = hsum8(_mm256_add_ps(a0, a1)) * scale;
-        })
+        for (int64_t page_i = 0, t = 0; t < kv_len; page_i++) {
+            int64_t n = kv_len - t < page_size ? kv_len - t : page_size;
+            score_rows(qg, keys + table[page_i] * page_stride + head_offset, n, d, scale, s + t);
+            t += n;
+        }
         float m = -INFINITY;
         for (int64_t t = 0; t < kv_len; t++)
             m = s[t] > m ? s[t] : m;

@@ -76,6 +76,24 @@ def test_a_sequence_gets_the_same_bits_in_any_batch() -> None:
         assert torch.equal(kernel(data, q[i: i + 1], alone)[0], together[i]), i
 
 
+def test_a_key_scores_the_same_bits_in_a_block_of_eight_or_alone() -> None:
+    """Pages of 16 tokens score keys eight at a time; pages of 5 one by one. The same keys and
+    values laid out both ways give the same bits: a score never depends on its neighbours."""
+    g = torch.Generator().manual_seed(9)
+    n, kv_heads, d = 61, 3, 64
+    k, v = torch.randn(n, kv_heads, d, generator=g), torch.randn(n, kv_heads, d, generator=g)
+    q = torch.randn(1, kv_heads * 3, d, generator=g)
+    outs = []
+    for page_size in (16, 5):
+        data = pool(kv_heads, page_size, d)
+        table = list(range(1, 1 + -(-n // page_size)))
+        batch = build_attention_batch(page_size, [(table, n)], [], torch.device("cpu"))
+        store_kv(data[:, 1, 0], data[:, 1, 1], k, v, build_attention_batch(page_size, [], [(table, 0, n)],
+                                                                           torch.device("cpu")))
+        outs.append(kernel(data, q, batch))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_tables_outside_the_pool_are_refused() -> None:
     _, _, batch = case(3, 3, 16, 64, [20, 3])
     bad = batch.decode_page_table.clone()
