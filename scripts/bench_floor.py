@@ -3,10 +3,14 @@
 decode step of the default model at several batch sizes against its floor, and where one batch's
 step time goes (batch 16 unless --profile-batch says otherwise).
 
-The floor of a step is max(weight bytes / read bandwidth, FLOPs / GEMM peak): every step reads
-every weight once, and does 2 FLOPs per weight per sequence (attention's share is small at
-these contexts and counted too). Bandwidth: a summing read of a tensor far larger than the
-caches, with as many threads as a worker's compute uses; peak: a large square GEMM.
+The floor of a step is max(bytes read / read bandwidth, FLOPs / GEMM peak): every step reads
+every weight once and every sequence's keys and values once per layer, and does 2 FLOPs per
+weight per sequence (attention's share is small at these contexts and counted too). Bandwidth: a
+summing read of a tensor far larger than the caches, with as many threads as a worker's compute
+uses; peak: a large square GEMM (its operands in cache). Both are
+sampled again every few steps while the steps run (a shared host's bandwidth moves by 1.5x within
+minutes), and the floor takes the best of the samples: what this machine allowed at its best
+during the run, so `x floor` never flatters the step.
 
     .venv/bin/python scripts/bench_floor.py [--batches 1,4,16,32] [--steps 30] [--prompt-tokens 128] [--profile-batch 16]
 """
@@ -59,12 +63,13 @@ def gemm_peak(dtype: torch.dtype, n: int = 2048) -> float:
 
 
 def step_cost(c: ModelConfig, batch: int, context: int) -> tuple[int, float]:
-    """(weight bytes read, FLOPs) of one fp32 decode step of `batch` sequences at `context` tokens."""
+    """(bytes read, FLOPs) of one fp32 decode step of `batch` sequences at `context` tokens: every
+    weight once, and every sequence's keys and values in every layer."""
     per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
         + 3 * c.hidden_size * c.intermediate_size
     weights = c.num_layers * per_layer + c.vocab_size * c.hidden_size
     attention = 4 * context * c.num_heads * c.head_dim * c.num_layers
-    return 4 * weights, batch * (2 * weights + attention)
+    return 4 * weights + batch * context * c.kv_bytes_per_token(4), batch * (2 * weights + attention)
 
 
 def _labelled(module, name: str, label: str) -> None:  # type: ignore[no-untyped-def]
@@ -117,11 +122,8 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=16, help="the batch whose step is profiled")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batches.split(",")]
-    bw = read_bandwidth()
-    peak32 = gemm_peak(torch.float32)
+    bws, peaks = [read_bandwidth()], [gemm_peak(torch.float32)]
     peak16 = gemm_peak(torch.bfloat16)
-    print(f"{torch.get_num_threads()} threads: read {bw / 1e9:.1f} GB/s, GEMM fp32 {peak32 / 1e9:.0f} GFLOP/s, "
-          f"bf16 {peak16 / 1e9:.1f} GFLOP/s")
 
     checkpoint = load_model_spec(None, kvfence_home(), progress=False)
     model = LlamaModel(checkpoint, torch.float32)
@@ -140,9 +142,16 @@ def main() -> None:
             batches[size] = Batch(runner, greedy, 1 + k * 1000, first_page, size, pages_per_seq, prompts, counts,
                                   grammars)
             first_page += size * pages_per_seq
-        for _ in range(args.steps):  # batch sizes take turns step by step: drift falls on all alike
+        for i in range(args.steps):  # batch sizes take turns step by step: drift falls on all alike
             for b in batches.values():
                 b.step()
+            if i % 10 == 9:
+                bws.append(read_bandwidth())
+                peaks.append(gemm_peak(torch.float32))
+        bw, peak32 = max(bws), max(peaks)
+        print(f"{torch.get_num_threads()} threads, {len(bws)} samples during the run: read "
+              f"{min(bws) / 1e9:.1f}-{bw / 1e9:.1f} GB/s, GEMM fp32 {min(peaks) / 1e9:.0f}-{peak32 / 1e9:.0f} "
+              f"GFLOP/s (the floor takes the best); bf16 {peak16 / 1e9:.1f} GFLOP/s")
         print(f"\ndecode step, fp32, context ≈{args.prompt_tokens + args.steps // 2} tokens, {args.steps} steps each, "
               "every guard on (owner check), interleaved")
         print(f"{'batch':>6}{'ms/step':>10}{'floor ms':>10}{'bound by':>10}{'x floor':>9}{'tok/s':>9}")
