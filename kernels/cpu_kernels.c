@@ -15,8 +15,14 @@
  * while the panel stays in L1/L2; panels are split across `threads` OpenMP threads (the same
  * OpenMP runtime as torch's when it is loaded first: the library is found by its soname).
  *
- * The summation order over k is fixed (sequential), so a row's result does not depend on M or on
- * the other rows of the batch.
+ * Where the CPU has AVX-512 (checked once at load; kvfence_wide_blocks turns it off and on), rows
+ * go in groups of sixteen instead: a 16 x 16 block in sixteen zmm registers, one load of the panel
+ * and sixteen broadcasts per k, so each panel is read once for all sixteen rows of a batch-16
+ * step, while it streams in from memory, rather than once per group of six.
+ *
+ * The summation order over k is fixed (sequential, one FMA per k into each output's accumulator,
+ * then + bias, then + y when accumulating), in both blocks alike, so a row's result does not
+ * depend on M, on the other rows of the batch, or on which block computed it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -102,6 +108,67 @@ static void block_rows(const float *x, int64_t ldx, const float *panel, int64_t 
     }
 }
 
+/* ---- the 16-row block, AVX-512 ---------------------------------------------------------------- */
+
+#define WR 16
+#define AVX512 __attribute__((target("avx512f")))
+
+static int wide;  /* 16-row blocks in use: the CPU has AVX-512 and nobody turned them off */
+
+__attribute__((constructor)) static void detect_wide(void) {
+    wide = __builtin_cpu_supports("avx512f");
+}
+
+/* want 0: 6-row blocks; want 1: 16-row blocks where the CPU has AVX-512; else only asks.
+ * Returns whether 16-row blocks are in use. */
+int kvfence_wide_blocks(int want) {
+    if (want == 0 || want == 1)
+        wide = want && __builtin_cpu_supports("avx512f");
+    return wide;
+}
+
+static inline __attribute__((always_inline)) AVX512 void
+store_wide(float *y, __m512 a, int64_t cols, const float *bias, int accumulate) {
+    __mmask16 mask = (__mmask16)(cols >= WR ? 0xFFFF : (1u << cols) - 1);
+    if (bias)
+        a = _mm512_add_ps(a, _mm512_loadu_ps(bias));
+    if (accumulate)
+        a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, y));
+    _mm512_mask_storeu_ps(y, mask, a);
+}
+
+#define WIDE_DECL(r) __m512 d##r = _mm512_setzero_ps();
+#define WIDE_FMA(r)                                                                      \
+    if (rows > r)                                                                        \
+        d##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + kk]), w, d##r);
+#define WIDE_STORE(r)                                                                    \
+    if (rows > r) store_wide(y + r * ldy, d##r, cols, bias, accumulate);
+#define WIDE_ALL(M)                                                                      \
+    M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+
+static inline __attribute__((always_inline)) AVX512 void
+wide_block(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
+           float *y, int64_t ldy, int64_t cols, const float *bias, const float *next, int accumulate) {
+    WIDE_ALL(WIDE_DECL)
+    for (int64_t kk = 0; kk < k; kk++) {
+        if (next)
+            _mm_prefetch((const char *)(next + kk * NR), _MM_HINT_T1);
+        __m512 w = _mm512_loadu_ps(panel + kk * NR);
+        WIDE_ALL(WIDE_FMA)
+    }
+    WIDE_ALL(WIDE_STORE)
+}
+
+#define WIDE_CASE(r) case r + 1: wide_block(x, ldx, panel, k, r + 1, y, ldy, cols, bias, next, accumulate); break;
+
+static AVX512 void wide_block_rows(const float *x, int64_t ldx, const float *panel, int64_t k, int rows,
+                                   float *y, int64_t ldy, int64_t cols, const float *bias, const float *next,
+                                   int accumulate) {
+    switch (rows) {
+    WIDE_ALL(WIDE_CASE)
+    }
+}
+
 /* The panels shared out over the calling OpenMP team (an orphaned `omp for`: kvfence_gemm opens
  * a team for it, kvfence_decode_layer calls it inside its own). accumulate: y += x @ W^T. */
 static void gemm_panels(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
@@ -114,9 +181,14 @@ static void gemm_panels(const float *x, int64_t m, int64_t k, const float *packe
         int64_t cols = n - col < NR ? n - col : NR;
         const float *b = bias ? bias + col : 0;
         const float *next = p + 1 < panels ? panel + k * NR : 0;
-        for (int64_t r = 0; r < m; r += MR) {
-            int rows = m - r < MR ? (int)(m - r) : MR;
-            block_rows(x + r * k, k, panel, k, rows, y + r * n + col, n, cols, b, r == 0 ? next : 0, accumulate);
+        int64_t group = wide ? WR : MR;
+        for (int64_t r = 0; r < m; r += group) {
+            int rows = m - r < group ? (int)(m - r) : (int)group;
+            const float *prefetch = r == 0 ? next : 0;
+            if (wide)
+                wide_block_rows(x + r * k, k, panel, k, rows, y + r * n + col, n, cols, b, prefetch, accumulate);
+            else
+                block_rows(x + r * k, k, panel, k, rows, y + r * n + col, n, cols, b, prefetch, accumulate);
         }
     }
 }

@@ -109,6 +109,8 @@ def _library() -> _Library:
     lib.kvfence_rms_norm.restype = None
     lib.kvfence_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.kvfence_silu_mul.restype = None
+    lib.kvfence_wide_blocks.argtypes = [ctypes.c_int]
+    lib.kvfence_wide_blocks.restype = ctypes.c_int
     return _Library(lib, "")
 
 

@@ -99,3 +99,26 @@ def test_a_setting_other_than_auto_or_off_is_refused(monkeypatch: pytest.MonkeyP
 def test_the_kernels_build_where_the_machine_allows() -> None:
     """A compiler error is a failure here, never a silent fallback to the slower paths."""
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_gemm.wide_blocks(),
+                    reason="16-row blocks need a CPU with AVX-512")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sixteen_row_blocks_give_the_six_row_blocks_bits(with_bias: bool) -> None:
+    """Every M from 1 to 40 (whole and partial groups of 16 and of 6) and an odd N (a partial
+    panel): the AVX-512 blocks write exactly what the AVX2 blocks do (the fused layers'
+    accumulating projections: tests/kernels/test_cpu_layer.py)."""
+    g = torch.Generator().manual_seed(16)
+    w, b = torch.randn(53, 96, generator=g), torch.randn(53, generator=g) if with_bias else None
+    packed = cpu_gemm.PackedWeight(w, b)
+    try:
+        for m in range(1, 41):
+            x = torch.randn(m, 96, generator=g)
+            assert cpu_gemm.wide_blocks(True)
+            wide = packed(x)
+            assert not cpu_gemm.wide_blocks(False)
+            assert torch.equal(wide, packed(x)), m
+            torch.testing.assert_close(wide, reference(x, w, b), rtol=1e-5, atol=1e-4)
+    finally:
+        cpu_gemm.wide_blocks(True)
