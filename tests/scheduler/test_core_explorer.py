@@ -6,63 +6,98 @@ bugs: two the core once had, put back, are each found with a short trace."""
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+
 import pytest
-from core_explorer import Budget, Violation, World, explore
+from core_explorer import Budget, Report, Setup, Violation, explore, explore_setup
 
 from kvfence.engine.checkpoint import Checkpoint
-from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 
-PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-PROMPTS = [[5, 6, 7], [8, 9, 10]]
+SHARED_PROMPTS = ((5, 6, 7), (5, 6, 7))  # one full page alike: the second can share the first's
 
 
-SHARED_PROMPTS = [[5, 6, 7], [5, 6, 7]]  # one full page alike: the second can share the first's
+def world_factory(tiny: Checkpoint, disaggregated: bool, budget: Budget, **setup):  # type: ignore[no-untyped-def]
+    return Setup(tiny.source, disaggregated, budget, **setup).factory(tiny.tokenizer)
 
 
-def world_factory(tiny: Checkpoint, disaggregated: bool, budget: Budget, pages: int = 4, chunk: int = 4,  # type: ignore[no-untyped-def]
-                  cache: bool = False, prompts: list[list[int]] = PROMPTS, decodes: int = 1, samples: int = 1):
-    config = SchedulerConfig(page_size_tokens=2, max_context_tokens=8, max_running=2, max_queue=samples,
-                             chunk_tokens=chunk, disaggregated=disaggregated, queue_timeout_s=10, heartbeat_s=1,
-                             max_preemptions=1, prefix_cache=cache)
-    return lambda: World(tiny.tokenizer, config, pages, prompts, PARAMS, budget, decodes, samples)
+def runs(tiny: Checkpoint) -> dict[str, Setup]:
+    """The exhaustive runs, the longest first. The prefix-cache runs submit the same prompt twice:
+    the second may share the first's sealed page in either pool (or both), while the first still
+    runs, after it ended, or after a flush. The two-sample runs are OpenAI's `n`: the second sample
+    waits until the first's prompt page is cached, then shares it; or runs alone once the first
+    was aborted, preempted or retried (no queue deadline there: it would end a sample left waiting
+    forever, which must be found instead). The lost-worker run pairs one prefill worker with two
+    decode workers, any of the three lost at any point (mid-step, mid-transfer): retried requests
+    never overlap their old attempt, nothing a transfer may touch is freed, and every request ends
+    (with a transfer fault on top: 31690 states, every one clean, but too slow for each run of the
+    suite)."""
+    ckpt = tiny.source
+    return {
+        "disaggregated-shared-prefix": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0,
+                                                                  flushes=1), cache=True, prompts=SHARED_PROMPTS),
+        "disaggregated-faults": Setup(ckpt, True, Budget(restarts=1, transfer_faults=1, aborts=1, ticks=0)),
+        "disaggregated-chunked": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=1,
+                                                            failed_steps=1), chunk=2),
+        "lost-worker": Setup(ckpt, True, Budget(restarts=0, transfer_faults=0, aborts=0, ticks=0, losses=1),
+                             decodes=2),
+        "colocated-shared-prefix": Setup(ckpt, False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=1,
+                                                               failed_steps=1, flushes=1), chunk=2, cache=True,
+                                         prompts=SHARED_PROMPTS),
+        "colocated": Setup(ckpt, False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=1, failed_steps=1),
+                           chunk=2),
+        "disaggregated-two-samples": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0,
+                                                                flushes=1), cache=True, prompts=SHARED_PROMPTS,
+                                           samples=2),
+        "colocated-two-samples": Setup(ckpt, False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=0,
+                                                             failed_steps=1, flushes=1), cache=True,
+                                       prompts=SHARED_PROMPTS, samples=2),
+    }
 
 
-@pytest.mark.parametrize(("disaggregated", "budget", "chunk", "cache"), [
-    (True, Budget(restarts=1, transfer_faults=1, aborts=1, ticks=0), 4, False),
-    (True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=1, failed_steps=1), 2, False),
-    (False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=1, failed_steps=1), 2, False),
-    (True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0, flushes=1), 4, True),
-    (False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=1, failed_steps=1, flushes=1), 2, True),
-], ids=["disaggregated-faults", "disaggregated-chunked", "colocated", "disaggregated-shared-prefix",
-        "colocated-shared-prefix"])
-def test_every_interleaving_keeps_the_invariants(tiny: Checkpoint, disaggregated: bool, budget: Budget,
-                                                 chunk: int, cache: bool, capsys: pytest.CaptureFixture[str]) -> None:
-    """The prefix-cache runs submit the same prompt twice: the second may share the first's sealed
-    page in either pool (or both), while the first still runs, after it ended, or after a flush."""
-    report = explore(world_factory(tiny, disaggregated, budget, chunk=chunk, cache=cache,
-                                   prompts=SHARED_PROMPTS if cache else PROMPTS))
+@pytest.fixture(scope="module")
+def explorations(tiny: Checkpoint) -> Iterator[dict[str, Future[Report]]]:
+    """Every run of `runs`, two at a time in processes of their own (each is pure Python on one
+    core, and CI has two), started when the first test here asks; each test waits for its own."""
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(explore_setup, setup) for name, setup in runs(tiny).items()}
+        try:
+            yield futures
+        finally:
+            for f in futures.values():
+                f.cancel()
+
+
+def explored(explorations: dict[str, Future[Report]], name: str, capsys: pytest.CaptureFixture[str]) -> Report:
+    report = explorations[name].result()  # a Violation found there is raised here, with its trace
     with capsys.disabled():
-        print(f"\ncore explorer ({'disaggregated' if disaggregated else 'colocated'}, chunk {chunk}"
-              f"{', shared prefix' if cache else ''}): {report}")
+        print(f"\ncore explorer ({name}): {report}")
+    return report
+
+
+@pytest.mark.parametrize("name", ["disaggregated-faults", "disaggregated-chunked", "colocated",
+                                  "disaggregated-shared-prefix", "colocated-shared-prefix"])
+def test_every_interleaving_keeps_the_invariants(explorations: dict[str, Future[Report]], name: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    report = explored(explorations, name, capsys)
     assert report.quiescent > 0 and report.states > 100
-    if cache:
+    if "shared-prefix" in name:
         assert report.shared > 0  # some path did read a page another request sealed
 
 
-@pytest.mark.parametrize("disaggregated", [True, False], ids=["disaggregated", "colocated"])
-def test_every_interleaving_of_two_samples_keeps_the_invariants(tiny: Checkpoint, disaggregated: bool,
+@pytest.mark.parametrize("name", ["disaggregated-two-samples", "colocated-two-samples"])
+def test_every_interleaving_of_two_samples_keeps_the_invariants(explorations: dict[str, Future[Report]], name: str,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """Two samples of one request (OpenAI's `n`): the second waits until the first's prompt page is
-    cached, then shares it; or runs alone once the first was aborted, preempted or retried."""
-    # no queue deadline: it would end a sample left waiting forever, which must be found instead
-    budget = (Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0, flushes=1) if disaggregated else
-              Budget(restarts=1, transfer_faults=0, aborts=1, ticks=0, failed_steps=1, flushes=1))
-    report = explore(world_factory(tiny, disaggregated, budget, cache=True, prompts=SHARED_PROMPTS, samples=2))
-    with capsys.disabled():
-        print(f"\ncore explorer ({'disaggregated' if disaggregated else 'colocated'}, two samples): {report}")
+    report = explored(explorations, name, capsys)
     assert report.quiescent > 0 and report.shared > 0
+
+
+def test_every_interleaving_with_a_lost_worker_keeps_the_invariants(explorations: dict[str, Future[Report]],
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    report = explored(explorations, "lost-worker", capsys)
+    assert report.quiescent > 0 and report.states > 100
 
 
 def test_it_finds_a_release_before_the_transfer_is_quiet(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,19 +156,6 @@ def test_it_finds_a_seal_of_pages_the_prefill_did_not_fill(tiny: Checkpoint, mon
                               prompts=SHARED_PROMPTS))
     print(found.value)
     assert any(w in found.value.what for w in ("did not write", "no longer holds", "freed or given away"))
-
-
-def test_every_interleaving_with_a_lost_worker_keeps_the_invariants(tiny: Checkpoint,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """One prefill worker paired with two decode workers, and any of the three lost at any point
-    (mid-step, mid-transfer): retried requests never overlap their old attempt, nothing a transfer
-    may touch is freed, and every request ends. (With a transfer fault on top: 31690 states, every
-    one clean, but too slow for each run of the suite.)"""
-    report = explore(world_factory(tiny, True, Budget(restarts=0, transfer_faults=0, aborts=0, ticks=0,
-                                                      losses=1), decodes=2))
-    with capsys.disabled():
-        print(f"\ncore explorer (one prefill, two decode workers, a worker lost): {report}")
-    assert report.quiescent > 0 and report.states > 100
 
 
 def test_it_finds_requests_left_behind_by_a_lost_prefill_worker(tiny: Checkpoint,
