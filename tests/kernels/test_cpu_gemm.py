@@ -103,17 +103,19 @@ def test_the_kernels_build_where_the_machine_allows() -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels.available() or not cpu_gemm.wide_blocks(),
-                    reason="16-row blocks need a CPU with AVX-512")
+                    reason="16-row and two-panel blocks need a CPU with AVX-512")
+@pytest.mark.parametrize("n", [53, 37], ids=["panel-pairs", "odd-last-panel"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_sixteen_row_blocks_give_the_six_row_blocks_bits(with_bias: bool) -> None:
-    """Every M from 1 to 40 (whole and partial groups of 16 and of 6) and an odd N (a partial
-    panel): the AVX-512 blocks write exactly what the AVX2 blocks do (the fused layers'
-    accumulating projections: tests/kernels/test_cpu_layer.py)."""
-    g = torch.Generator().manual_seed(16)
-    w, b = torch.randn(53, 96, generator=g), torch.randn(53, generator=g) if with_bias else None
+def test_the_avx512_blocks_give_the_six_row_blocks_bits(n: int, with_bias: bool) -> None:
+    """Every M from 1 to 70: 16-row blocks below 32 rows, 8-row blocks over two panels from 32 on
+    (whole and partial groups, a partial last panel, an odd panel left alone): exactly what the
+    AVX2 6-row blocks write (the fused layers' accumulating projections:
+    tests/kernels/test_cpu_layer.py)."""
+    g = torch.Generator().manual_seed(n)
+    w, b = torch.randn(n, 96, generator=g), torch.randn(n, generator=g) if with_bias else None
     packed = cpu_gemm.PackedWeight(w, b)
     try:
-        for m in range(1, 41):
+        for m in range(1, 71):
             x = torch.randn(m, 96, generator=g)
             assert cpu_gemm.wide_blocks(True)
             wide = packed(x)
