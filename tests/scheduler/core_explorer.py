@@ -413,38 +413,6 @@ class World:
                      [(r.pair.name if r and r.pair else None) for r in map(self.core.request, filter(None, self.submitted))]))
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What a world is made of, picklable: an exploration can run in a process of its own
-    (`explore_setup`). The tokenizer comes from the GGUF at `checkpoint`."""
-
-    checkpoint: str
-    disaggregated: bool
-    budget: Budget
-    pages: int = 4
-    chunk: int = 4
-    cache: bool = False
-    prompts: tuple[tuple[int, ...], ...] = ((5, 6, 7), (8, 9, 10))
-    decodes: int = 1
-    samples: int = 1  # > 1: the first submit is that many samples of one request
-    params: SamplingParams = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-
-    def factory(self, tokenizer: Tokenizer) -> Callable[[], World]:
-        config = SchedulerConfig(page_size_tokens=2, max_context_tokens=8, max_running=2, max_queue=self.samples,
-                                 chunk_tokens=self.chunk, disaggregated=self.disaggregated, queue_timeout_s=10,
-                                 heartbeat_s=1, max_preemptions=1, prefix_cache=self.cache)
-        prompts = [list(p) for p in self.prompts]
-        return lambda: World(tokenizer, config, self.pages, prompts, self.params, self.budget, self.decodes,
-                             self.samples)
-
-
-def explore_setup(setup: Setup) -> Report:
-    """`explore` of the world `setup` describes, its tokenizer loaded here (for another process)."""
-    from kvfence.engine.checkpoint import load_checkpoint
-
-    return explore(setup.factory(load_checkpoint(setup.checkpoint, weights=False).tokenizer))
-
-
 @dataclasses.dataclass
 class Report:
     states: int
