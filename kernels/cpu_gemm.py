@@ -1,8 +1,8 @@
 """y = x @ W.T (+ bias) on the CPU for every batch size of a decode step (kvfence_gemm in
 cpu_kernels.c): W packed once into panels of 16 output columns, each read once per call, in order;
 a 6 x 16 block of y in registers, or where the CPU has AVX-512 (`wide_blocks`) 16 x 16 (under 32
-rows) and 8 x 32 over two panels (from 32 rows on); OpenMP over the panels. One summation order over k whatever M and whichever block, so a row's result
-does not depend on the rows around it.
+rows) and 8 x 32 over two panels (from 32 rows on); OpenMP over the panels. One summation order
+over k whatever M and whichever block, so a row's result does not depend on the rows around it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ PANEL = 16  # output columns per packed panel (NR in cpu_kernels.c)
 
 def wide_blocks(enabled: bool | None = None) -> bool:
     """Whether the GEMMs (the fused layers' too) use the AVX-512 blocks (16 rows over a panel, 8 rows
-    over two from 32 rows on): on where the CPU has AVX-512. `enabled` False turns that off for the whole process (the 6-row
-    blocks, same bits: what the tests and benchmarks compare), True back on where the CPU allows."""
+    over two from 32 rows on): on where the CPU has AVX-512. `enabled` False turns them off for the
+    whole process (the 6-row blocks, the same bits: what the tests and benchmarks compare), True
+    back on where the CPU allows."""
     return bool(cpu_kernels.library().kvfence_wide_blocks(-1 if enabled is None else int(enabled)))
 
 

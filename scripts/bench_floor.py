@@ -7,10 +7,10 @@ The floor of a step is max(bytes read / read bandwidth, FLOPs / GEMM peak): ever
 every weight once and every sequence's keys and values once per layer, and does 2 FLOPs per
 weight per sequence (attention's share is small at these contexts and counted too). Bandwidth: a
 summing read of a tensor far larger than the caches, with as many threads as a worker's compute
-uses; peak: a large square GEMM (its operands in cache). Both are
-sampled again every few steps while the steps run (a shared host's bandwidth moves by 1.5x within
-minutes), and the floor takes the best of the samples: what this machine allowed at its best
-during the run, so `x floor` never flatters the step.
+uses; peak: a large square GEMM (its operands in cache). Both are sampled again every five steps
+while the steps run (a shared host's bandwidth moves by 1.5x within minutes), and the floor takes
+the best of the samples: what this machine allowed at its best during the run, so `x floor` never
+flatters the step.
 
     .venv/bin/python scripts/bench_floor.py [--batches 1,4,16,32] [--steps 30] [--prompt-tokens 128] [--profile-batch 16]
 """
