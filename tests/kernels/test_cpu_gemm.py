@@ -101,7 +101,6 @@ def test_the_kernels_build_where_the_machine_allows() -> None:
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
 
 
-
 @pytest.mark.skipif(not cpu_kernels.available() or not cpu_gemm.wide_blocks(),
                     reason="16-row and two-panel blocks need a CPU with AVX-512")
 @pytest.mark.parametrize("n", [53, 37], ids=["panel-pairs", "odd-last-panel"])

@@ -51,11 +51,12 @@ def decode(model: LlamaModel, pool: KVPool, tables: list[list[int]], lengths: li
     return model.forward(torch.tensor(tokens), torch.tensor(lengths), batch, pool, torch.arange(len(tokens)))
 
 
-@pytest.mark.parametrize("lengths", [[5], [16, 1, 31, 7, 47, 2, 16], [3 * i + 1 for i in range(18)]],
-                         ids=["one", "seven", "eighteen"])
+@pytest.mark.parametrize("lengths", [[5], [16, 1, 31, 7, 47, 2, 16], [3 * i + 1 for i in range(18)],
+                                     [i % 40 + 1 for i in range(34)]], ids=["one", "seven", "eighteen", "thirty-four"])
 def test_one_call_per_layer_equals_the_per_op_loop_bit_for_bit(checkpoint: Checkpoint, lengths: list[int]) -> None:
-    """The per-op loop runs its GEMMs in 6-row blocks; the fused layers in 16-row blocks where the
-    CPU has AVX-512 (their residual projections accumulate into y inside the block): the same bits."""
+    """The per-op loop runs its GEMMs in 6-row blocks; the fused layers in the AVX-512 blocks where
+    the CPU has them (16 rows over a panel, or from 32 rows on 8 over two; the residual projections
+    accumulate into y inside the block): the same bits."""
     fused = LlamaModel(checkpoint, torch.float32)
     assert fused.decode_layers is not None
     looped = LlamaModel(checkpoint, torch.float32)
