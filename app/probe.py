@@ -136,6 +136,14 @@ class Prober:
     def words(self, n: int) -> str:
         return " ".join(self.rng.choice(WORDS) for _ in range(n))
 
+    def fresh_prompt(self, n: int) -> list[dict]:
+        """A long prompt no earlier one shares a cache page with: it opens with a fresh 64-bit tag,
+        so a hit can only come from this very prompt sent before (two prompts of plain words drawn
+        from `WORDS` share their first page by chance often enough to look like a leak)."""
+        tag = f"{self.rng.getrandbits(64):016x}"
+        return [{"role": "system", "content": f"{tag} {self.words(n)}"},
+                {"role": "user", "content": "Summarize."}]
+
     # ---- canaries ----
 
     def plant(self) -> Reply:
@@ -258,8 +266,7 @@ class Prober:
         cold, warm, other, other_cold, cached = [], [], [], [], []
         warmup = True
         while len(cold) < rounds:
-            shared = [{"role": "system", "content": self.words(n)}, {"role": "user", "content": "Summarize."}]
-            mine = [{"role": "system", "content": self.words(n)}, {"role": "user", "content": "Summarize."}]
+            shared, mine = self.fresh_prompt(n), self.fresh_prompt(n)
             a1 = self.chat(self.key_a, shared, 2)
             if a1.status == 400 and not cold and n > 16:  # longer than this tokenizer makes fit: shorter
                 n = n * 2 // 3

@@ -20,10 +20,16 @@ KEY_A, KEY_B, ADMIN = "probe-a-key", "probe-b-key", "probe-admin"
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from tiny_models import TinySpec, make_tiny_pair
 
-    return make_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=3, spec=TinySpec(context_length=8192))[0]
+    gguf, hf_dir, _ = make_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=3, spec=TinySpec(context_length=8192))
+    return gguf, hf_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_pair: tuple[Path, Path]) -> Path:
+    return tiny_pair[0]
 
 
 def start(tmp_path_factory: pytest.TempPathFactory, gguf: Path, *extra: str) -> Iterator[ServerProcess]:
@@ -49,6 +55,27 @@ def broken(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterato
 def probe(srv: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvfence.app.cli", "probe", srv.base_url, "--key", KEY_A,
                            "--other-key", KEY_B, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_no_two_timing_prompts_share_a_first_page(tiny_pair: tuple[Path, Path]) -> None:
+    """B's cache hits on A's prompt are counted as leaks, so none may come from B's own earlier
+    prompts: the first cache page (16 tokens) of every timing prompt, as the tiny model's chat
+    template and byte-level tokenizer make it (fewer characters per token than real ones), is
+    unique. Prompts of plain words from the probe's list do share first pages by chance."""
+    from kvfence.app.probe import Prober
+    from kvfence.engine.chat_template import render_chat
+    from kvfence.engine.tokenizer import tokenizer_from_hf_dir
+
+    hf_dir = tiny_pair[1]
+    tok = tokenizer_from_hf_dir(hf_dir)
+    template = json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"]
+    prober = Prober("http://127.0.0.1:1", None, None, MODEL, seed=0)
+    try:
+        pages = [tuple(tok.encode(render_chat(template, prober.fresh_prompt(64), add_generation_prompt=True))[:16])
+                 for _ in range(300)]
+    finally:
+        prober.close()
+    assert len(set(pages)) == len(pages)
 
 
 def test_every_check_passes_against_kvfence(guarded: ServerProcess) -> None:
