@@ -1,6 +1,7 @@
 """MooncakePlane against the real engine (tcp, loopback): two planes in one process, each with
 its own engine and pool; every write is checked byte for byte, including the bytes it must not
-touch."""
+touch. And what a stranger's engine (no secret, no descriptor: only the port, which a scan finds)
+can reach of a pool: nothing but the ranges a push in flight has exposed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import torch
+from transport_harness import MooncakeStranger
 
 pytest.importorskip("mooncake.engine")
 
@@ -46,6 +48,7 @@ class Pair:
         self.tx, self.rx = MooncakePlane(), MooncakePlane()
         self.tx.open(self.src)
         self.rx_descriptor = self.rx.open(self.dst)
+        self.rx.expose([(0, POOL_NBYTES)])  # as a receiver does for a push's dst pages, here all of them
         self.peer = self.tx.connect(self.rx_descriptor)
 
     def write(self, ranges: list[tuple[int, int, int]]) -> WriteState:
@@ -157,6 +160,7 @@ def _closed_peer(pair: Pair, write_first: bool, tx: MooncakePlane | None = None)
     pool = torch.zeros(8 << 20, dtype=torch.uint8)
     victim = MooncakePlane()
     key = tx.connect(victim.open(pool))
+    victim.expose([(0, pool.nbytes)])
     if write_first:  # the engine then has the session cached and a connection open
         handle = tx.post_write(key, [(0, 0, PAGE)], b"")
         assert wait_terminal(tx, handle) is WriteState.DONE
@@ -243,3 +247,57 @@ def test_one_batch_failing_while_another_still_writes_keeps_the_write_pending(pa
     tx.release(handle)
     tx._engine = engine  # type: ignore[attr-defined]
     tx.close()
+
+
+def test_a_stranger_reaches_nothing_of_a_pool_but_the_ranges_a_push_exposes() -> None:
+    """Mooncake's own handshake port answers anyone, and its data port serves whatever memory is
+    registered: so over tcp a plane registers nothing at `open`, and a receiver exposes only a
+    push's dst pages, from its "go" to its end. Outside them a stranger neither writes nor reads;
+    inside them (the window a push is in flight) the same calls work, which is what the rest of
+    this test rules out elsewhere."""
+    secret = torch.full((64 * PAGE,), 0x5A, dtype=torch.uint8)  # a pool holding some tenant's KV
+    sender_pool = torch.full((64 * PAGE,), 0x6B, dtype=torch.uint8)
+    rx, tx, stranger = MooncakePlane(), MooncakePlane(), MooncakeStranger()
+    try:
+        rx.open(secret)
+        tx.open(sender_pool)
+        base = secret.data_ptr()
+        for plane, pool in ((rx, secret), (tx, sender_pool)):
+            assert stranger.write(plane.session_id, pool.data_ptr() + 8 * PAGE) < 0
+            assert stranger.read(plane.session_id, pool.data_ptr() + 8 * PAGE) < 0
+        assert bool((secret == 0x5A).all()) and bool((sender_pool == 0x6B).all())
+        assert bool((stranger.buffer == 0xAB).all())  # nothing was read into it
+
+        exposure = rx.expose([(8 * PAGE, PAGE), (9 * PAGE, PAGE), (20 * PAGE, PAGE)])
+        stranger = MooncakeStranger()  # the engine stops trying a session after a few refusals
+        assert stranger.write(rx.session_id, base + 2 * PAGE) < 0  # outside the exposed pages
+        assert stranger.write(rx.session_id, base + 9 * PAGE + PAGE // 2) < 0  # straddling their end
+        assert stranger.write(rx.session_id, base + 8 * PAGE) == 0  # inside: the window of a push
+        assert bool((secret[8 * PAGE:9 * PAGE] == 0xAB).all())
+        assert int((secret != 0x5A).sum()) == PAGE
+        rx.conceal(exposure)
+        rx.conceal(exposure)  # idempotent
+        for page in (8, 9, 20):
+            assert stranger.write(rx.session_id, base + page * PAGE) < 0
+            assert stranger.read(rx.session_id, base + page * PAGE) < 0
+        assert int((secret != 0x5A).sum()) == PAGE
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_an_exposure_the_engine_refuses_exposes_nothing() -> None:
+    pool = torch.zeros(16 * PAGE, dtype=torch.uint8)
+    rx = MooncakePlane()
+    try:
+        rx.open(pool)
+        held = rx.expose([(4 * PAGE, PAGE)])
+        with pytest.raises(RuntimeError, match="could not register"):  # its second range overlaps the first
+            rx.expose([(0, PAGE), (4 * PAGE, PAGE)])
+        with pytest.raises(ValueError):
+            rx.expose([(15 * PAGE, 2 * PAGE)])  # past the pool
+        stranger = MooncakeStranger()
+        assert stranger.write(rx.session_id, pool.data_ptr()) < 0  # the first range was undone
+        rx.conceal(held)
+    finally:
+        rx.close()

@@ -1,7 +1,7 @@
 """The one-sided protocol (transports/onesided/) over a fake data plane whose writes stay
 PENDING until the test lands or fails them: when a cancel is acknowledged, what a failed write
 tells the receiver, that refused pushes post nothing, the "landed" path of planes without
-notifications, and an idle poller. The NIXL plane itself is tested for real in
+notifications, and an idle poller; which pages a receiver exposes to writes, and when. The NIXL plane itself is tested for real in
 test_nixl_plane.py, and the transport end to end by the conformance suites (kind "nixl")."""
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ class Fabric:
         self.writes: list[FakeWrite] = []
         self.hold = False
         self.fail_post = False
+        self.exposed: dict[str, list[tuple[int, int]]] = {}  # byte ranges peers may write now, by plane key
+        self.refuse_expose = False
 
     def land(self, write: FakeWrite) -> None:
         for src, dst, nbytes in write.ranges:
@@ -64,6 +66,20 @@ class FakePlane(DataPlane):
         self.fabric.pools[self.key] = memory.reshape(-1).view(torch.uint8)
         self.fabric.notes[self.key] = []
         return self.key.encode()
+
+    def expose(self, ranges: list[tuple[int, int]]) -> object:
+        if self.fabric.refuse_expose:
+            raise RuntimeError("injected expose failure")
+        exposure = list(ranges)
+        self.fabric.exposed.setdefault(self.key, []).extend(exposure)
+        return exposure
+
+    def conceal(self, exposure: object) -> None:
+        assert isinstance(exposure, list)
+        mine = self.fabric.exposed.get(self.key, [])
+        for r in exposure:
+            if r in mine:
+                mine.remove(r)
 
     def connect(self, descriptor: bytes) -> str:
         return descriptor.decode()
@@ -270,6 +286,53 @@ async def test_a_refused_push_posts_no_write() -> None:
         result = await p.tx.push(p.peer, make_manifest(2), [0, 1], [0, 1])
         assert (result.ok, result.reason) == (False, "capability")
         assert p.fabric.writes == [] and not p.dst.any()
+
+
+def exposed_pages(p: Pair) -> list[int]:
+    return sorted(off // PAGE for off, n in p.fabric.exposed.get(p.rx.plane.key, []) for _ in range(n // PAGE))
+
+
+@pytest.mark.parametrize("end", ["landed", "failed_write", "sender_cancelled"])
+async def test_a_push_exposes_its_dst_pages_from_go_until_it_ends(end: str) -> None:
+    """The receiver exposes exactly a push's dst pages, and only from its "go" until the push
+    ends, however it ends: nothing else of the pool is ever writable by a peer's plane."""
+    async with fake_pair() as p:
+        p.fabric.hold = True
+        manifest, results, acks = make_manifest(2), {}, []
+        assert exposed_pages(p) == []
+        async with anyio.create_task_group() as tg:
+            p.push_soon(tg, manifest, [5, 2], results)
+            [first] = await posted(p.fabric, 1)
+            assert exposed_pages(p) == [2, 5]
+            if end == "sender_cancelled":
+                cancel_soon(tg, p.tx, manifest.transfer_id, acks)
+                await anyio.sleep(0.05)
+                p.fabric.land(first)
+            elif end == "failed_write":
+                p.fabric.fail(first)
+            else:
+                p.fabric.land(first)
+                p.fabric.land((await posted(p.fabric, 2))[1])
+            with anyio.fail_after(2):
+                verdict = await p.rx.completion(manifest.transfer_id)
+        assert verdict.ok is (end == "landed")
+        assert exposed_pages(p) == []
+
+
+async def test_a_plane_that_cannot_expose_the_pages_refuses_the_push() -> None:
+    async with fake_pair() as p:
+        p.fabric.refuse_expose = True
+        manifest, results = make_manifest(2), {}
+        async with anyio.create_task_group() as tg:
+            p.push_soon(tg, manifest, [0, 1], results)
+        assert (results["push"].ok, results["push"].reason) == (False, "plane_refused")
+        assert (await p.rx.completion(manifest.transfer_id)).reason == "plane_refused"
+        assert p.fabric.writes == [] and not p.dst.any()
+        p.fabric.refuse_expose = False  # the endpoint still serves the next push
+        manifest = make_manifest(1)
+        async with anyio.create_task_group() as tg:
+            p.push_soon(tg, manifest, [3], results)
+        assert results["push"].ok, results["push"]
 
 
 async def test_a_plane_without_notifications_is_told_after_the_last_write_is_done() -> None:

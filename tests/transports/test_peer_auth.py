@@ -12,8 +12,9 @@ import stat
 import anyio
 import msgspec
 import pytest
-from transport_harness import (TEST_SECRET, make_manifest, make_record, paired, raw_authenticate,
-                               recv_exactly, recv_until_closed, signed)
+import torch
+from transport_harness import (TEST_SECRET, MooncakeStranger, make_manifest, make_record, paired,
+                               raw_authenticate, recv_exactly, recv_until_closed, signed)
 
 from kvfence.transports.base import EndpointInfo
 from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, AuthenticationFailed, DeploymentSecret
@@ -77,6 +78,35 @@ async def test_a_stranger_with_a_valid_record_gets_nothing_and_lands_nothing(kin
         result = await p.tx.push(p.peer, manifest, [0], [3])
         assert result.ok, result
         p.assert_landed([0], [3])
+
+
+async def test_a_stranger_at_the_mooncake_engines_own_ports_gets_no_page_byte() -> None:
+    """The Mooncake engine listens on ports of its own, beside the authenticated pairing: a
+    handshake that answers anyone with the addresses of what is registered, and a data port that
+    reads and writes whatever is. So over tcp nothing of either pool is registered but a push's
+    dst pages while it is in flight: before and after a push a stranger reads none of its pages
+    on either side, and writes none."""
+    pytest.importorskip("mooncake.engine")
+    async with paired("mooncake") as p:
+        page_nbytes = p.dst[0].numel() * p.dst.element_size()
+        assert page_nbytes == MooncakeStranger.PAGE
+
+        # a fresh stranger for each look: an engine stops trying a session after a few refusals
+        def reach(stranger: MooncakeStranger, when: str) -> None:
+            for plane, pool, (read_page, write_page) in ((p.rx.plane, p.dst, (9, 1)), (p.tx.plane, p.src, (3, 4))):
+                base = pool.data_ptr()
+                assert stranger.read(plane.session_id, base + read_page * page_nbytes) < 0, when
+                assert stranger.write(plane.session_id, base + write_page * page_nbytes) < 0, when
+
+        src = p.src.clone()
+        before, after = MooncakeStranger(), MooncakeStranger()
+        await anyio.to_thread.run_sync(reach, before, "before")
+        _, result = await p.expect_and_push([3, 4], [9, 1])
+        assert result.ok, result
+        await anyio.to_thread.run_sync(reach, after, "after")
+        assert bool((before.buffer == 0xAB).all()) and bool((after.buffer == 0xAB).all())  # no byte read
+        p.assert_landed([3, 4], [9, 1])  # and none written: the pools hold exactly the push
+        assert torch.equal(p.src, src)
 
 
 @pytest.mark.parametrize("kind", LISTENING)

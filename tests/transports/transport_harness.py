@@ -178,6 +178,28 @@ async def paired(kind: str, *, num_pages: int = 32, page_floats: int = 1024, pai
                 await rx.aclose()
 
 
+class MooncakeStranger:
+    """A Mooncake engine in a process outside the deployment: it knows a plane's session id (the
+    engine's own handshake port, which a port scan finds) and nothing else. Its buffer is 0xAB;
+    `write` sends a page of it, `read` fetches a page into it (each returns the engine's rc)."""
+
+    PAGE = 4096
+
+    def __init__(self) -> None:
+        from mooncake import engine as mooncake_engine
+
+        self.engine = mooncake_engine.TransferEngine()
+        assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        self.buffer = torch.full((self.PAGE,), 0xAB, dtype=torch.uint8)
+        assert self.engine.register_memory(self.buffer.data_ptr(), self.buffer.nbytes) == 0
+
+    def write(self, session: str, address: int) -> int:
+        return self.engine.transfer_sync_write(session, self.buffer.data_ptr(), address, self.PAGE)
+
+    def read(self, session: str, address: int) -> int:
+        return self.engine.transfer_sync_read(session, self.buffer.data_ptr(), address, self.PAGE)
+
+
 def raw_authenticate(sock: socket.socket, secret: DeploymentSecret = TEST_SECRET, transport: str = "tcp") -> None:
     """The connecting side of the peer handshake over a blocking socket (what a deployment member
     sends); AssertionError when the listener's proof does not verify."""

@@ -1,6 +1,7 @@
 """The byte mover under a one-sided transport (nixl, mooncake): a `DataPlane` registers one
-worker's pool memory, connects to peers' registered memory, posts WRITEs of local byte ranges into
-a peer's memory, and reports each write's state.
+worker's pool memory (all of it at `open`, or only the ranges a push in flight writes: `expose`),
+connects to peers' registered memory, posts WRITEs of local byte ranges into a peer's memory, and
+reports each write's state.
 
 A data plane knows nothing of pages, manifests, leases or digests: the transport above it
 (onesided/transport.py) decides which bytes go where, and only after the receiver admitted the transfer
@@ -41,6 +42,18 @@ class DataPlane(abc.ABC):
     def open(self, memory: torch.Tensor) -> bytes:
         """Register `memory` (contiguous; host or device) and return this plane's descriptor: what
         a peer's `connect` needs to write into it (e.g. agent metadata, or session id + address)."""
+
+    def expose(self, ranges: list[tuple[int, int]]) -> object:
+        """Let peers write each `(offset, nbytes)` of local memory from now until `conceal`: the
+        receiver calls it for a push's dst pages just before its "go". For a plane whose `open`
+        made the memory writable only to peers that were given the descriptor (NIXL: the agent
+        metadata travels inside the authenticated pairing) there is nothing to do (None). Raises
+        when it cannot, having exposed nothing."""
+        return None
+
+    def conceal(self, exposure: object) -> None:
+        """End an `expose` (None: nothing to end): no write into those ranges starts from now on.
+        Idempotent."""
 
     @abc.abstractmethod
     def connect(self, descriptor: bytes) -> str:

@@ -101,10 +101,11 @@ class Incoming:
     `proven` True: it landed, or the sender reported every write terminal) or can no longer be
     known to be (`settled` with `proven` False: the link was lost, the transport shut down)."""
 
-    def __init__(self, adm: Admission, link: Link, digests: list[str]) -> None:
+    def __init__(self, adm: Admission, link: Link, digests: list[str], exposure: object = None) -> None:
         self.adm = adm
         self.link = link
         self.digests = digests  # the sender's, when the manifest carries none
+        self.exposure = exposure  # what the plane's `expose` returned for its dst pages
         self.settled = anyio.Event()
         self.proven = False
 

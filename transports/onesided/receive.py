@@ -11,15 +11,19 @@ without that proof: a write already posted may still land in its dst pages.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
 from kvfence.transports.core.receiver import Receiver
+from kvfence.transports.onesided.data_plane import DataPlane
 from kvfence.transports.onesided.link import Incoming, Link
 from kvfence.transports.onesided.wire import Message
 from kvfence.transports.wire.framing import ProtocolError
 from kvfence.transports.wire.messages import Cancel, Go, Landed, Ping, PushAbort, PushHeader, Stop, Verdict
+
+log = logging.getLogger(__name__)
 
 UNPROVEN_KEPT = 4096
 
@@ -27,8 +31,9 @@ UNPROVEN_KEPT = 4096
 class ReceiverHalf:
     """The pushes into one endpoint's pool that were told "go" (`incoming`, for the poller)."""
 
-    def __init__(self, receiver: Receiver, kick: Callable[[], None], linger_s: float = 60.0) -> None:
+    def __init__(self, receiver: Receiver, kick: Callable[[], None], plane: DataPlane, linger_s: float = 60.0) -> None:
         self.receiver = receiver
+        self.plane = plane  # exposes a push's dst pages from its "go" until it ends
         self.kick = kick  # wakes the poller: a write may now land
         self.incoming: dict[str, Incoming] = {}  # "go" sent, writes not known terminal
         # pushes that ended without proof that their writes are terminal (a lost link, a shutdown):
@@ -67,7 +72,15 @@ class ReceiverHalf:
         if not adm.live:  # refused: the verdict is the refusal, and no "go"
             link.send(Verdict(self.receiver.finish(adm, 0, [])))
             return
-        self.incoming[adm.transfer_id] = Incoming(adm, link, list(header.digests))
+        size = header.page_nbytes
+        try:
+            exposure = self.plane.expose([(page * size, size) for page in adm.dst_pages])
+        except Exception as e:  # nothing was exposed, so nothing can land: refuse
+            log.error("transfer %s refused: the %s plane could not expose its pages: %s", adm.transfer_id,
+                      self.plane.name, e)
+            link.send(Verdict(self.receiver.abort(adm, "plane_refused")))
+            return
+        self.incoming[adm.transfer_id] = Incoming(adm, link, list(header.digests), exposure)
         link.send(Go(adm.transfer_id))
         self.kick()
 
@@ -78,12 +91,14 @@ class ReceiverHalf:
     def _landed(self, inc: Incoming) -> None:
         """Every byte of the push is in its dst pages: verify, settle, answer."""
         del self.incoming[inc.adm.transfer_id]
+        self.plane.conceal(inc.exposure)  # before the digests: no write starts after them
         inc.settle(proven=True)
         verdict = self.receiver.finish(inc.adm, inc.adm.num_pages, inc.digests)
         inc.link.send(Verdict(verdict))
 
     def _end(self, inc: Incoming, reason: str, proven: bool) -> None:
         self.incoming.pop(inc.adm.transfer_id, None)
+        self.plane.conceal(inc.exposure)
         inc.settle(proven)
         if not proven:
             tid = inc.adm.transfer_id

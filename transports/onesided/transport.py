@@ -117,7 +117,7 @@ class OneSidedTransport(ListeningEndpoint):
                 f"the {self.name} transport takes a CPU pool, not one on {memory.device}: a device pool "
                 f"would be registered with the plane directly, which is not supported yet; use tcp")
         pool_bytes = self._register(memory, record)
-        self._rx = ReceiverHalf(self._started()[1], self._kick)
+        self._rx = ReceiverHalf(self._started()[1], self._kick, self.plane)
         self._listen(record)
         try:
             try:

@@ -28,7 +28,21 @@ sooner than the shortest of those timers after the post cannot be a timer's, so 
 FAILED; a later one cannot be told apart and stays PENDING for good (the pages it targets must
 stay quarantined). RDMA is untested here (no device); the same rule applies.
 
-Lifetime: `close()` unregisters the pool and drops the engine, whose destructor stops its
+What is registered, and why. The engine serves two ports of its own, beside kvfence's
+authenticated pairing, and authenticates neither: its P2P handshake (bound to every interface)
+answers anyone with the addresses of what is registered, and its data port reads and writes
+whatever is registered for anyone who connects. Measured with a stock engine that holds no
+secret: with the whole pool registered, it read and wrote any page. So over tcp, where the
+sending engine needs nothing of its own memory registered, `open` registers nothing, and a
+receiver `expose`s only a push's dst pages, from its "go" until the push ends; outside those
+ranges the engine's server refuses every read and write (tests/transports/test_peer_auth.py,
+test_mooncake_plane.py). What stays open is that window: a stranger who finds the ports while a
+push is in flight can read or write that push's dst pages until it ends. A stray write fails
+the transfer (the receiver conceals the pages, then recomputes their digests), unless it was
+already under way when they were concealed and finishes after the recomputation. Over rdma the NIC needs the whole pool registered, so the
+whole pool stays reachable: run it only on a network that only the deployment reaches.
+
+Lifetime: `close()` unregisters what is registered and drops the engine, whose destructor stops its
 listeners and joins its threads (2-3 per engine): after the first engine of a process, open/close
 cycles leave thread and file-descriptor counts unchanged. That takes 0.5-1 s with the GIL held, so
 every Python thread (the event loop too, even if close runs in a worker thread) stalls that long:
@@ -38,6 +52,7 @@ this plane. What stays for the process: the engine's allocator choice and glog s
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, ClassVar, NamedTuple
@@ -47,6 +62,8 @@ import torch
 
 from kvfence.transports.base import TransportUnavailable
 from kvfence.transports.onesided.data_plane import DataPlane, WriteState
+
+log = logging.getLogger(__name__)
 
 # transfer_check_status results
 _WAITING, _COMPLETED, _FAILED, _SLICE_TIMEOUT = 0, 1, -1, -2
@@ -81,6 +98,15 @@ class _Write:
         self.posted_at = posted_at  # time.monotonic() just before the first submission
         self.failed = False  # some range did not fully land
         self.unproven = False  # a failure that an engine timer may have caused (see module doc)
+
+
+class _Exposure:
+    """The pool ranges one `expose` registered: their first bytes' addresses."""
+
+    __slots__ = ("addresses",)
+
+    def __init__(self) -> None:
+        self.addresses: list[int] = []
 
 
 def merge_ranges(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -134,6 +160,7 @@ class MooncakePlane(DataPlane):
         self._closed = False
         self._peers: dict[str, _Peer] = {}
         self._writes: set[_Write] = set()  # posted and not released
+        self._exposed: set[_Exposure] = set()  # pool ranges registered for pushes in flight (tcp)
 
     def open(self, memory: torch.Tensor) -> bytes:
         if self._engine is not None or self._closed:
@@ -153,12 +180,44 @@ class MooncakePlane(DataPlane):
         if engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, self.device_name) != 0:
             raise TransportUnavailable(f"mooncake engine did not start ({self.protocol} on "
                                        f"{self.hostname!r}, devices {self.device_name!r})")
-        if (rc := engine.register_memory(memory.data_ptr(), memory.nbytes)) != 0:
-            raise TransportUnavailable(f"mooncake could not register {memory.nbytes} bytes: {rc}")
+        if self.protocol != "tcp":
+            if (rc := engine.register_memory(memory.data_ptr(), memory.nbytes)) != 0:
+                raise TransportUnavailable(f"mooncake could not register {memory.nbytes} bytes: {rc}")
+            log.warning("mooncake over %s: the whole KV pool stays registered with an engine whose own ports "
+                        "authenticate no one; only a network that only this deployment reaches keeps other "
+                        "processes from its pages (over tcp, only the pages of a transfer in flight are)",
+                        self.protocol)
         self._engine, self._memory = engine, memory
         self.session_id = f"{self.hostname}:{engine.get_rpc_port()}"
         return msgspec.msgpack.encode(MooncakeDescriptor(self.session_id, self.protocol,
                                                          memory.data_ptr(), memory.nbytes))
+
+    def expose(self, ranges: list[tuple[int, int]]) -> object:
+        """Over tcp: register each `(offset, nbytes)` of the pool (contiguous ones as one) until
+        `conceal`; the engine's server refuses any write or read outside what is registered.
+        Over rdma the whole pool is registered at `open` (the NIC needs it): None."""
+        if self._engine is None or self._memory is None:
+            raise RuntimeError("mooncake plane is not open")
+        if self.protocol != "tcp":
+            return None
+        merged = merge_ranges([(off, off, nbytes) for off, nbytes in ranges])
+        self._check_ranges(merged, self._memory.nbytes, self._memory.nbytes)
+        exposure, base = _Exposure(), self._memory.data_ptr()
+        for off, _, nbytes in merged:
+            if (rc := self._engine.register_memory(base + off, nbytes)) != 0:
+                self.conceal(exposure)
+                raise RuntimeError(f"mooncake could not register pool bytes {off}..{off + nbytes}: {rc}")
+            exposure.addresses.append(base + off)
+        self._exposed.add(exposure)
+        return exposure
+
+    def conceal(self, exposure: object) -> None:
+        if not isinstance(exposure, _Exposure) or self._engine is None:
+            return
+        for address in exposure.addresses:
+            self._engine.unregister_memory(address)
+        exposure.addresses = []
+        self._exposed.discard(exposure)
 
     def connect(self, descriptor: bytes) -> str:
         """Remember a peer; no I/O (the handshake happens on the first write). The key is the
@@ -259,6 +318,9 @@ class MooncakePlane(DataPlane):
         if busy := sum(1 for w in self._writes if w.live):
             raise RuntimeError(f"mooncake plane has {busy} writes in flight; close after they end")
         assert self._memory is not None
-        self._engine.unregister_memory(self._memory.data_ptr())
+        for exposure in list(self._exposed):
+            self.conceal(exposure)
+        if self.protocol != "tcp":
+            self._engine.unregister_memory(self._memory.data_ptr())
         self._engine, self._memory, self._closed = None, None, True  # destructor joins the threads
         self._peers.clear()
