@@ -1,8 +1,9 @@
-"""The one-sided protocol (transports/onesided/) over a fake data plane whose writes stay
-PENDING until the test lands or fails them: when a cancel is acknowledged, what a failed write
-tells the receiver, that refused pushes post nothing, the "landed" path of planes without
-notifications, and an idle poller; which pages a receiver exposes to writes, and when. The NIXL plane itself is tested for real in
-test_nixl_plane.py, and the transport end to end by the conformance suites (kind "nixl")."""
+"""The one-sided protocol (transports/onesided/) over a fake data plane whose writes stay PENDING
+until the test lands or fails them: when a cancel is acknowledged, what a failed write tells the
+receiver, that refused pushes post nothing, the "landed" path of planes without notifications,
+and an idle poller; which pages a receiver exposes to writes, and when. The NIXL plane itself is
+tested for real in test_nixl_plane.py, and the transport end to end by the conformance suites
+(kind "nixl")."""
 
 from __future__ import annotations
 

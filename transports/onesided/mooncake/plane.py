@@ -39,11 +39,12 @@ ranges the engine's server refuses every read and write (tests/transports/test_p
 test_mooncake_plane.py). What stays open is that window: a stranger who finds the ports while a
 push is in flight can read or write that push's dst pages until it ends. A stray write fails
 the transfer (the receiver conceals the pages, then recomputes their digests), unless it was
-already under way when they were concealed and finishes after the recomputation. Over rdma the NIC needs the whole pool registered, so the
-whole pool stays reachable: run it only on a network that only the deployment reaches.
+already under way when they were concealed and finishes after the recomputation. Over rdma the
+NIC needs the whole pool registered, so the whole pool stays reachable: run it only on a network
+that only the deployment reaches.
 
-Lifetime: `close()` unregisters what is registered and drops the engine, whose destructor stops its
-listeners and joins its threads (2-3 per engine): after the first engine of a process, open/close
+Lifetime: `close()` unregisters what is registered and drops the engine, whose destructor stops
+its listeners and joins its threads (2-3 per engine): after the first engine of a process, open/close
 cycles leave thread and file-descriptor counts unchanged. That takes 0.5-1 s with the GIL held, so
 every Python thread (the event loop too, even if close runs in a worker thread) stalls that long:
 close at shutdown, not on a hot path. After `close()` returns, nothing lands in the pool through
