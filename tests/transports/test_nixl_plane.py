@@ -204,3 +204,46 @@ def test_a_process_that_used_nixl_exits_cleanly() -> None:
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+LISTENERS = """
+import os, torch
+from kvfence.transports.onesided.nixl.plane import NixlPlane
+def listening():  # this process's IPv4 TCP listeners, as (address, port)
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the listing's own descriptor
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
+    out = []
+    for line in open("/proc/self/net/tcp").read().splitlines()[1:]:
+        cols = line.split()
+        if cols[3] == "0A" and cols[9] in mine:
+            ip, port = cols[1].split(":")
+            out.append((".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0)), int(port, 16)))
+    return out
+plane = NixlPlane(hostname="127.0.0.1")
+plane.open(torch.zeros(1024))
+print(sorted(set(a for a, _ in listening())))
+plane.close()
+"""
+
+
+def test_ucx_listens_only_on_the_interface_of_the_endpoints_host() -> None:
+    """UCX's tcp transport opens listeners of its own beside the authenticated pairing; the plane
+    keeps them to the interface of its host, as every other socket of the endpoint is: with the
+    host on loopback nothing listens on another interface. (It would, with UCX left alone, on a
+    machine that has another interface; a machine without one has nothing to check.)"""
+    from kvfence.transports.onesided.nixl.plane import interface_addresses, interface_of
+
+    if not set(interface_addresses()) - {"lo"}:
+        pytest.skip("no network interface but loopback: nothing to keep UCX from")
+    assert interface_of("127.0.0.1") == "lo"
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    done = subprocess.run([sys.executable, "-c", LISTENERS], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "['127.0.0.1']", done.stdout
+

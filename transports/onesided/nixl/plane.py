@@ -39,6 +39,11 @@ What this machine showed (CPU only, loopback, no UCX_* variables needed):
     its destructor crashes the process at exit (SIGSEGV in rtnl_tc_unregister, after Python
     finished). So where the host has no RDMA device, `open` tells UCX not to load that module
     (`UCX_MODULES=^ib`, unless the operator set UCX_MODULES): it could find nothing to use anyway.
+  - UCX's tcp transport listens on ports of its own, beside the authenticated pairing, on every
+    interface it may use (here: loopback and the host's external address). No peer can aim a
+    write without the agent metadata, which travels only inside the authenticated pairing; still,
+    `open` keeps UCX to the interface of the endpoint's host (UCX_NET_DEVICES while the agent is
+    created, unless the operator set it), as every other socket of the endpoint is.
   - Importing nixl configures a "nixl" logger that prints INFO lines to stdout (NIXL_LOG_LEVEL
     tunes it) and sets `logging.raiseExceptions = False` for the whole process; the C++ core logs
     errors to stderr.
@@ -46,9 +51,14 @@ What this machine showed (CPU only, loopback, no UCX_* variables needed):
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import secrets
+import socket
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -62,6 +72,53 @@ from kvfence.transports.onesided.data_plane import DataPlane, WriteState
 
 log = logging.getLogger(__name__)
 RDMA_DEVICES = Path("/sys/class/infiniband")
+_SIOCGIFADDR = 0x8915  # ioctl: an interface's IPv4 address
+
+
+def interface_addresses() -> dict[str, str]:
+    """Every network interface here that has an IPv4 address: name -> its (primary) address."""
+    out = {}
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+        out[name] = socket.inet_ntoa(packed[20:24])
+    return out
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface whose IPv4 address `host` is (or resolves to); None when no
+    interface here holds it."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return None
+    return next((name for name, held in interface_addresses().items() if held == address), None)
+
+
+@contextlib.contextmanager
+def ucx_kept_to(host: str) -> Iterator[None]:
+    """UCX's tcp transport listens on every interface it may use, on ports of its own, beside the
+    authenticated pairing; while an agent is created (UCX reads its settings then), keep it to the
+    interface of the endpoint's host, as every other socket of the endpoint is (UCX_NET_DEVICES,
+    restored afterwards so that no child process inherits it). An operator's own
+    UCX_NET_DEVICES, or an endpoint that listens everywhere itself, is left alone; a host no
+    interface here holds restricts nothing (logged)."""
+    interface = None
+    if "UCX_NET_DEVICES" not in os.environ and host not in ("0.0.0.0", ""):
+        interface = interface_of(host)
+        if interface is None:
+            log.warning("no network interface here holds %r: UCX may listen on every interface", host)
+    if interface is None:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = interface
+    try:
+        yield
+    finally:
+        del os.environ["UCX_NET_DEVICES"]
 
 
 def skip_ucx_ib_without_rdma_devices() -> None:
@@ -99,8 +156,9 @@ class NixlPlane(DataPlane):
     name: ClassVar[str] = "nixl"
     delivers_notifications: ClassVar[bool] = True
 
-    def __init__(self, backend: str = "UCX") -> None:
-        self.backend = backend
+    def __init__(self, backend: str = "UCX", hostname: str = "127.0.0.1") -> None:
+        """`hostname`: the endpoint's host; UCX's own listeners stay on its interface."""
+        self.backend, self.hostname = backend, hostname
         self.agent_name = ""
         self._agent: nixl_agent | None = None
         self._registration: object | None = None
@@ -121,7 +179,8 @@ class NixlPlane(DataPlane):
         skip_ucx_ib_without_rdma_devices()
         self.agent_name = f"kvfence-{os.getpid()}-{secrets.token_hex(8)}"
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[self.backend])
-        agent = nixl_agent(self.agent_name, config)
+        with ucx_kept_to(self.hostname):
+            agent = nixl_agent(self.agent_name, config)
         if self.backend not in agent.backends:
             raise TransportUnavailable(f"the NIXL {self.backend} backend did not start "
                                        f"(plugins found: {', '.join(agent.get_plugin_list()) or 'none'})")

@@ -27,4 +27,4 @@ class NixlTransport(OneSidedTransport):
         `write_chunk_bytes`: the most one write moves (see OneSidedTransport). `backend`: the NIXL
         backend plugin. `secret` and the other `options` (timeouts, keep-alive, connection cap,
         write chunks): see OneSidedTransport."""
-        super().__init__(NixlPlane(backend), host, port, secret=secret, **options)
+        super().__init__(NixlPlane(backend, host), host, port, secret=secret, **options)
