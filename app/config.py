@@ -117,6 +117,10 @@ class MooncakeOptions(Settings):
     dest_prefix: ClassVar[str] = "mooncake_"
     protocol: str = setting("tcp", "Mooncake transfer protocol", choices=MOONCAKE_PROTOCOLS)
     device_name: str = setting("", "RDMA devices, comma-separated (empty: all, or none for tcp)")
+    unauthenticated_ports_ok: bool = setting(
+        False, "required to use mooncake: accept that the Mooncake engine's own ports authenticate no one, so "
+               "the pages of a transfer in flight (over rdma: the whole pool) are reachable from any host that "
+               "reaches this one; only where the deployment alone reaches its hosts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +148,12 @@ class TransportConfig(Settings):
         if self.prefill_port and self.prefill_port == self.decode_port:
             raise ValueError(f"--transport-prefill-port and --transport-decode-port must differ (both endpoints "
                              f"listen in this process), got {self.prefill_port} for both")
+        if self.name == "mooncake" and not self.mooncake.unauthenticated_ports_ok:
+            raise ValueError("--transport mooncake: the Mooncake engine listens on ports of its own that "
+                             "authenticate no one, so the pages of a transfer in flight (over rdma: the whole pool) "
+                             "are reachable from any host that reaches this one (docs/architecture.md, \"The trust "
+                             "boundary of the transports\"). Use tcp or nixl, or pass "
+                             "--mooncake-unauthenticated-ports-ok where only the deployment reaches these hosts")
 
     def endpoint_options(self, role: str) -> dict[str, Any]:
         """Keyword arguments of `create_transport(self.name, secret=..., **these)` for the endpoint
@@ -153,7 +163,9 @@ class TransportConfig(Settings):
             return {}
         port = self.prefill_port if role == "prefill" else self.decode_port
         own = {"nixl": self.nixl, "mooncake": self.mooncake}.get(self.name)
-        return {"host": self.host, "port": port, **(dataclasses.asdict(own) if own is not None else {})}
+        options = dataclasses.asdict(own) if own is not None else {}
+        options.pop("unauthenticated_ports_ok", None)  # the operator's consent, checked above: not an option
+        return {"host": self.host, "port": port, **options}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,7 +130,8 @@ class Deployment:
         secret = directory / "secret"
         secret.write_text(os.urandom(32).hex())
         secret.chmod(0o600)
-        common = ("--model", model, "--transport", transport, "--transport-secret-file", str(secret))
+        consent = ("--mooncake-unauthenticated-ports-ok",) if transport == "mooncake" else ()  # loopback, netns
+        common = ("--model", model, "--transport", transport, *consent, "--transport-secret-file", str(secret))
         if shape == "inprocess":
             self.procs.append(kvfence("serve", *common, *POOLS, "--port", str(port), "--canary-interval", "3600",
                                       log=directory / "serve.log"))

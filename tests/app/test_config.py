@@ -81,14 +81,20 @@ def test_prefill_chunk_default_follows_the_prefill_device() -> None:
 def test_transport_endpoint_options() -> None:
     # The defaults are what the transports' constructors default to: loopback, ephemeral ports.
     assert ServeConfig().transport.endpoint_options("prefill") == {"host": "127.0.0.1", "port": 0}
-    c = load_config({"transport": "mooncake", "transport_decode_port": 7001, "transport_host": "10.0.0.2"},
+    c = load_config({"transport": "mooncake", "transport_decode_port": 7001, "transport_host": "10.0.0.2",
+                     "mooncake_unauthenticated_ports_ok": True},
                     {"KVFENCE_MOONCAKE_PROTOCOL": "rdma", "KVFENCE_MOONCAKE_DEVICE_NAME": "mlx5_0"}, None)
     assert c.transport.endpoint_options("prefill") == {"host": "10.0.0.2", "port": 0, "protocol": "rdma",
-                                                       "device_name": "mlx5_0"}
+                                                       "device_name": "mlx5_0"}  # the consent is not an option
     assert c.transport.endpoint_options("decode")["port"] == 7001
     nixl = load_config({"transport": "nixl", "nixl_backend": "GDS"}, {}, None).transport
     assert nixl.endpoint_options("decode") == {"host": "127.0.0.1", "port": 0, "backend": "GDS"}
     assert load_config({"transport": "inprocess"}, {}, None).transport.endpoint_options("decode") == {}
+    # Mooncake's own ports authenticate no one: it runs only with the operator's consent, however given
+    with pytest.raises(ValueError, match="--transport mooncake: .* authenticate no one.*--mooncake-unauthenticated-ports-ok"):
+        load_config({"transport": "mooncake"}, {}, None)
+    assert load_config({}, {"KVFENCE_TRANSPORT": "mooncake", "KVFENCE_MOONCAKE_UNAUTHENTICATED_PORTS_OK": "1"},
+                       None).transport.mooncake.unauthenticated_ports_ok
     with pytest.raises(ValueError, match="--mooncake-protocol must be 'tcp' or 'rdma'"):
         load_config({"mooncake_protocol": "ib"}, {}, None)
     with pytest.raises(ValueError, match="--transport-prefill-port and --transport-decode-port must differ"):

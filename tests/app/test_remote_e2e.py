@@ -70,8 +70,9 @@ class Deployment:
 
     def add_worker(self, role: str, *extra: str) -> WorkerProcess:
         registering = ("--discovery", f"etcd://{self.hosts.here(role)}:{self.etcd.port}") if self.etcd else ()
-        w = WorkerProcess(self.model, role, "--transport", self.transport, "--transport-secret-file", str(self.secret),
-                          "--transport-host", self.hosts.kv[role], *POOLS, *registering, *extra,
+        consent = ("--mooncake-unauthenticated-ports-ok",) if self.transport == "mooncake" else ()
+        w = WorkerProcess(self.model, role, "--transport", self.transport, *consent, "--transport-secret-file",
+                          str(self.secret), "--transport-host", self.hosts.kv[role], *POOLS, *registering, *extra,
                           log_path=self.directory / f"{role}{len(self.workers)}.log", host=self.hosts.host(role),
                           prefix=self.hosts.prefix(role))
         self.workers.append(w)
