@@ -61,6 +61,14 @@ def test_bad_input_is_a_clear_error(args: tuple[str, ...], message: str, default
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("command", [("serve",), ("worker", "--role", "decode", "--control", "127.0.0.1:9")])
+def test_mooncake_without_the_operators_consent_is_refused_before_anything_starts(command: tuple[str, ...]) -> None:
+    """Its engine's own ports authenticate no one: the refusal says so, and what to do instead."""
+    proc = kvfence(*command, "--transport", "mooncake")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "authenticate no one" in proc.stderr and "--mooncake-unauthenticated-ports-ok" in proc.stderr
+
+
 def test_fetch_failure_names_the_step(tmp_path: Path) -> None:
     env = dict(os.environ, KVFENCE_HOME=str(tmp_path), PIP_INDEX_URL="http://127.0.0.1:9/simple",
                PIP_EXTRA_INDEX_URL="", PIP_FIND_LINKS="", PIP_NO_INDEX="0", PIP_RETRIES="0", PIP_TIMEOUT="2")
