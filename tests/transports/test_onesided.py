@@ -290,7 +290,7 @@ async def test_a_refused_push_posts_no_write() -> None:
 
 
 def exposed_pages(p: Pair) -> list[int]:
-    return sorted(off // PAGE for off, n in p.fabric.exposed.get(p.rx.plane.key, []) for _ in range(n // PAGE))
+    return sorted(off // PAGE + i for off, n in p.fabric.exposed.get(p.rx.plane.key, []) for i in range(n // PAGE))
 
 
 @pytest.mark.parametrize("end", ["landed", "failed_write", "sender_cancelled"])
