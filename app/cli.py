@@ -85,6 +85,9 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--admin-key", default=None, help="the front end's admin key, when it serves with "
                                                           "--api-keys (also KVFENCE_ADMIN_KEY)")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--transport-secret-file", default=None,
+                        help="the deployment secret: list only registrations signed with it (without it, etcd's "
+                             "registrations are shown unverified)")
 
     fetch = sub.add_parser("fetch", help="fetch a known model into the cache and print its path")
     fetch.add_argument("model", nargs="?", default=None)
@@ -311,7 +314,12 @@ def _status(args: argparse.Namespace) -> int:
 
     from kvfence.app.status import status
 
-    return status(args.discovery, args.front, args.admin_key or os.environ.get("KVFENCE_ADMIN_KEY"), args.json)
+    from kvfence.transports.core.secret import DeploymentSecret
+
+    secret_file = args.transport_secret_file or os.environ.get("KVFENCE_TRANSPORT_SECRET_FILE")
+    secret = DeploymentSecret.from_file(secret_file) if secret_file else None
+    return status(args.discovery, args.front, args.admin_key or os.environ.get("KVFENCE_ADMIN_KEY"), args.json,
+                  secret)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

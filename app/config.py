@@ -21,6 +21,7 @@ from kvfence.app import settings
 from kvfence.app.settings import Settings, section, setting
 from kvfence.engine.attention_backend import BACKEND_NAMES
 from kvfence.engine.kv_pool import SCRUB_MODES
+from kvfence.engine.remote.protocol import DEFAULT_WORKER_TIMEOUT_S, MAX_WORKER_TIMEOUT_S
 from kvfence.scheduler.config import SchedulerSettings
 from kvfence.transports.faults import FaultPlan
 from kvfence.transports.onesided.mooncake.plane import PROTOCOLS as MOONCAKE_PROTOCOLS
@@ -188,6 +189,10 @@ class ServeConfig(Settings):
     discovery: str | None = setting(None, "where the workers are when each runs in its own process (`kvfence "
                                           "worker`): static://HOST:PORT,HOST:PORT (their control addresses); "
                                           "unset: the workers run in this process")
+    worker_timeout_s: float = setting(DEFAULT_WORKER_TIMEOUT_S, "with --discovery: seconds a worker may stay silent "
+                                                                "(it is pinged well within them) before it is lost: "
+                                                                "its requests are retried or end with 503 worker_lost",
+                                      above=0, at_most=MAX_WORKER_TIMEOUT_S)
     server: ServerConfig = section(ServerConfig)
     workers: WorkersConfig = section(WorkersConfig)
     pools: PoolsConfig = section(PoolsConfig)

@@ -34,6 +34,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.engine.protocol import WorkerLost
+from kvfence.engine.remote.protocol import DEFAULT_WORKER_TIMEOUT_S
 from kvfence.scheduler.remote_worker import RemoteReceivingEnd, RemoteSendingEnd, RemoteWorker
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRefused
@@ -57,14 +58,15 @@ class RemotePair:
 
 
 async def connect_when_up(tg: anyio.abc.TaskGroup, address: str, secret: DeploymentSecret,
-                          wait_s: float = CONNECT_WAIT_S) -> RemoteWorker:
-    """Connect to the worker at `address`, retrying while nothing listens there (it may still be
-    loading its model) for up to `wait_s`. WorkerLost at once when it fails the handshake or
-    refuses (it serves another scheduler)."""
+                          wait_s: float = CONNECT_WAIT_S, *,
+                          timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> RemoteWorker:
+    """Connect to the worker at `address` (`timeout_s`: its liveness bound, RemoteWorker.connect),
+    retrying while nothing listens there (it may still be loading its model) for up to `wait_s`.
+    WorkerLost at once when it fails the handshake or refuses (it serves another scheduler)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return await RemoteWorker.connect(tg, address, secret)
+            return await RemoteWorker.connect(tg, address, secret, timeout_s=timeout_s)
         except WorkerLost as e:
             if isinstance(e.__cause__, AuthenticationFailed) or e.__cause__ is None \
                     or time.monotonic() > deadline:
@@ -111,14 +113,15 @@ class Fleet:
     """The workers one front end serves through, by control address. Each is connected,
     authenticated and checked once, then paired with every worker of the other role (a refused
     pair is logged and left out; its workers serve in their other pairs). Pairs go to the
-    scheduler as they form (before it exists: `pairs`); a worker whose connection drops is lost to
-    the scheduler at once, and with `rejoin` its address is connected to again until a worker
-    serves there (a new incarnation)."""
+    scheduler as they form (before it exists: `pairs`); a worker whose connection drops, or that
+    stays silent for `worker_timeout_s`, is lost to the scheduler at once, and with `rejoin` its
+    address is connected to again until a worker serves there (a new incarnation)."""
 
     def __init__(self, tg: anyio.abc.TaskGroup, secret: DeploymentSecret, model_id: str, page_size_tokens: int,
-                 *, rejoin: bool) -> None:
+                 *, rejoin: bool, worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> None:
         self.tg, self.secret, self.model_id, self.page_size_tokens = tg, secret, model_id, page_size_tokens
         self.rejoin = rejoin
+        self.worker_timeout_s = worker_timeout_s
         self.workers: dict[str, RemoteWorker] = {}
         self.pairs: list[RemotePair] = []
         self.scheduler: Scheduler | None = None
@@ -133,7 +136,7 @@ class Fleet:
         self._joining.add(address)
         try:
             try:
-                worker = await connect_when_up(self.tg, address, self.secret, wait_s)
+                worker = await connect_when_up(self.tg, address, self.secret, wait_s, timeout_s=self.worker_timeout_s)
             except WorkerLost as e:
                 log.error("cannot use the worker at %s: %s", address, e)
                 return False
@@ -219,19 +222,19 @@ def _pair_args(pair: RemotePair) -> tuple:
     return pair.prefill, pair.decode, pair.link, prefill.num_pages, decode.num_pages, pair.max_context_tokens
 
 
-async def _initial_addresses(discovery: Discovery) -> list[str]:
+async def _initial_addresses(discovery: Discovery, secret: DeploymentSecret) -> list[str]:
     """The control addresses to start with: the static list, or every worker registered in etcd
-    once there is a prefill and a decode worker."""
+    (signed with `secret`) once there is a prefill and a decode worker."""
     if discovery.etcd is None:
         return list(discovery.addresses)
     host, port = discovery.etcd
-    found = await find_workers(host, port, CONNECT_WAIT_S)
+    found = await find_workers(host, port, secret, CONNECT_WAIT_S)
     log.info("etcd at %s:%d lists %d workers: %s", host, port, len(found),
              ", ".join(f"{r.role} at {r.control} (incarnation {r.incarnation})" for r in found))
     return [r.control for r in found]
 
 
-async def _follow_etcd(fleet: Fleet, host: str, port: int) -> None:
+async def _follow_etcd(fleet: Fleet, host: str, port: int, secret: DeploymentSecret) -> None:
     """Keep the fleet to what etcd lists: a new registration joins, one that expired or was revoked
     leaves (its worker is lost)."""
     changed = anyio.Event()
@@ -255,7 +258,7 @@ async def _follow_etcd(fleet: Fleet, host: str, port: int) -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(reconcile)
-        await watch_workers(host, port, on_change)
+        await watch_workers(host, port, secret, on_change)
 
 
 async def serve_remote(config: ServeConfig, checkpoint: Checkpoint, model_name: str) -> int:
@@ -269,9 +272,10 @@ async def serve_remote(config: ServeConfig, checkpoint: Checkpoint, model_name: 
     secret = DeploymentSecret.from_file(config.transport.secret_file)
     page_size = config.pools.page_size_tokens
     async with anyio.create_task_group() as tg:
-        fleet = Fleet(tg, secret, model_identity(checkpoint, model_name), page_size, rejoin=discovery.etcd is None)
+        fleet = Fleet(tg, secret, model_identity(checkpoint, model_name), page_size, rejoin=discovery.etcd is None,
+                      worker_timeout_s=config.worker_timeout_s)
         try:
-            addresses = await _initial_addresses(discovery)
+            addresses = await _initial_addresses(discovery, secret)
         except TimeoutError as e:
             log.error("cannot serve through the discovered workers: %s", e)
             addresses = []
@@ -290,7 +294,7 @@ async def serve_remote(config: ServeConfig, checkpoint: Checkpoint, model_name: 
             page_size_tokens=page_size, max_context_tokens=configured_context(config, checkpoint.config),
             disaggregated=True, prefill_device_type=torch.device(prefill.device).type), checkpoint.tokenizer)
         if discovery.etcd is not None:
-            tg.start_soon(_follow_etcd, fleet, *discovery.etcd, name="etcd-membership")
+            tg.start_soon(_follow_etcd, fleet, *discovery.etcd, secret, name="etcd-membership")
         workers = ", ".join(f"{w.role} at {a}" for a, w in fleet.workers.items())
         await serve_http(tg, config, model_name, checkpoint.tokenizer, scheduler, fleet.reference,
                          f"disaggregated: {len(scheduler.core.pairs)} pairs of workers ({workers})")

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.app.discovery import parse_discovery
 from kvfence.app.membership import ETCD_ERRORS, registered_workers
+from kvfence.transports.core.secret import DeploymentSecret
 
 STATES = ("total", "free", "in_use", "quarantined", "cached")
 
@@ -51,9 +52,11 @@ class WorkerStatus:
         return "serving" if self.registered or not self.asked_etcd else "unregistered"
 
 
-async def collect(discovery: str | None, front: str | None, admin_key: str | None = None) -> list[WorkerStatus]:
-    """Every worker etcd lists and every worker the front end serves through. ValueError (its
-    message for the user) when neither can be asked or answers."""
+async def collect(discovery: str | None, front: str | None, admin_key: str | None = None,
+                  secret: DeploymentSecret | None = None) -> list[WorkerStatus]:
+    """Every worker etcd lists (with `secret`: only those whose registration it signed) and every
+    worker the front end serves through. ValueError (its message for the user) when neither can
+    be asked or answers."""
     if discovery is None and front is None:
         raise ValueError("say where the workers are: --discovery etcd://HOST:PORT and/or --front URL")
     found: dict[str, WorkerStatus] = {}
@@ -62,7 +65,7 @@ async def collect(discovery: str | None, front: str | None, admin_key: str | Non
         if etcd is None:
             raise ValueError("--discovery static://... lists no workers by itself: give --front URL instead")
         try:
-            registrations = await registered_workers(*etcd)
+            registrations = await registered_workers(*etcd, secret)
         except ETCD_ERRORS as e:
             raise ValueError(f"etcd at {etcd[0]}:{etcd[1]} does not answer: {e}") from None
         for r in registrations:
@@ -113,6 +116,7 @@ def render(rows: list[WorkerStatus], as_json: bool = False) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
 
 
-def status(discovery: str | None, front: str | None, admin_key: str | None, as_json: bool) -> int:
-    print(render(anyio.run(collect, discovery, front, admin_key), as_json))
+def status(discovery: str | None, front: str | None, admin_key: str | None, as_json: bool,
+           secret: DeploymentSecret | None = None) -> int:
+    print(render(anyio.run(collect, discovery, front, admin_key, secret), as_json))
     return 0

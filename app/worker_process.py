@@ -85,7 +85,8 @@ async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: st
                 etcd = parse_discovery(config.discovery).etcd if config.discovery else None
                 if etcd is not None:
                     advertised = advertise or f"{host}:{bound[1]}"
-                    tg.start_soon(register_worker, *etcd, lambda: registration(server, advertised, transport.name))
+                    tg.start_soon(register_worker, *etcd, lambda: registration(server, advertised, transport.name),
+                                  secret)
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
                         log.info("received %s: draining the %s worker", signal.Signals(signum).name, role)

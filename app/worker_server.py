@@ -2,8 +2,10 @@
 
 A `kvfence worker` process (app/worker_process.py) hosts one `Worker` (model, pool), its KV
 transport endpoint and this server. A connection must pass the deployment-secret handshake
-before a byte of it is decoded; a scheduler that passes owns the worker until its connection
-drops (a second one is told so and closed).
+before a byte of it is decoded (at most DEFAULT_MAX_UNAUTHENTICATED of them wait for theirs at
+once; one more closes the oldest: transports/wire/pending.py); a scheduler that passes owns the
+worker until its connection drops or falls silent for SCHEDULER_SILENCE_S (a second one is told
+so and closed).
 
 Steps run one at a time in the order they arrived, on the device's compute thread; transfer
 calls run beside them on the event loop. When the owning scheduler's connection drops, the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable
 
 import anyio
@@ -34,14 +37,16 @@ from kvfence.engine.compute import ComputeThread
 from kvfence.engine.protocol import RunStep
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.remote.protocol import (
-    HANDSHAKE_LABEL, PREFIX_BYTES, Answer, AnswerBody, Arm, AwaitVerdict, Call, Cancel, Describe, Description,
-    Done, Failure, Paired, PairWith, Push, Reference, Tokens, Verdict, WaitQuiet, body_length, decode_call, frame,
+    HANDSHAKE_LABEL, PREFIX_BYTES, SCHEDULER_SILENCE_S, Answer, AnswerBody, Arm, AwaitVerdict, Call, Cancel,
+    Describe, Description, Done, Failure, Paired, PairWith, Ping, Push, Reference, Tokens, Verdict, WaitQuiet,
+    body_length, decode_call, frame,
 )
 from kvfence.engine.worker import Worker
 from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, Peer, Transport
 from kvfence.transports.core.secret import AuthenticationFailed, DeploymentSecret
 from kvfence.transports.wire.channel import Channel, ConnectionGone, accept_forever
 from kvfence.transports.wire.handshake import authenticate_as_listener
+from kvfence.transports.wire.pending import Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,7 @@ class WorkerServer:
         self.model = model
         self.max_context_tokens = max_context_tokens
         self.owner: str | None = None  # the address of the scheduler it serves
+        self._unauthenticated = Unauthenticated(f"{worker.role} worker control port")
         self._tg: TaskGroup | None = None
         self._active: set[str] = set()  # transfers armed or pushed and not yet settled
         self.served = 0  # schedulers served so far (tests wait on it)
@@ -110,15 +116,21 @@ class WorkerServer:
                 await self.endpoint.start(tg)
             task_status.started()
             try:
-                await accept_forever(listener, lambda sock: tg.start_soon(self._connection, sock))
+                await accept_forever(listener, lambda sock: self._accepted(tg, sock))
             finally:
+                self._unauthenticated.close_all()
                 if self.endpoint is not None:
                     with anyio.CancelScope(shield=True):
                         await self.endpoint.close()
 
-    async def _connection(self, sock: socket.socket) -> None:
-        peer = _peer_name(sock)
+    def _accepted(self, tg: TaskGroup, sock: socket.socket) -> None:
+        """Count a new connection as unauthenticated (closing the oldest past the budget) and serve it."""
         channel = Channel(sock)
+        self._unauthenticated.admit(channel)
+        tg.start_soon(self._connection, channel)
+
+    async def _connection(self, channel: Channel) -> None:
+        peer = channel.peer
         try:
             with anyio.fail_after(HANDSHAKE_TIMEOUT_S):
                 await authenticate_as_listener(channel, self.secret, HANDSHAKE_LABEL)
@@ -126,6 +138,8 @@ class WorkerServer:
             log.warning("control connection from %s refused: %s", peer, e or type(e).__name__)
             channel.close()
             return
+        finally:
+            self._unauthenticated.authenticated(channel)
         if self.owner is not None:
             await self._refuse(channel, f"this {self.worker.role} worker already serves the scheduler at {self.owner}")
             return
@@ -147,7 +161,7 @@ class WorkerServer:
             with anyio.fail_after(HANDSHAKE_TIMEOUT_S):
                 call = await _recv_call(channel)
                 async with channel.send_lock:
-                    await channel.send_raw(frame(Answer(call.call_id, Failure(message))))
+                    await channel.send_bytes(frame(Answer(call.call_id, Failure(message))))
         except (TimeoutError, ValueError, *ConnectionGone):
             pass
         channel.close()
@@ -158,7 +172,7 @@ class WorkerServer:
         async def answer(call_id: int, body: AnswerBody) -> None:
             try:
                 async with channel.send_lock:
-                    await channel.send_raw(frame(Answer(call_id, body)))
+                    await channel.send_bytes(frame(Answer(call_id, body)))
             except ConnectionGone:  # the reader sees the connection end and ends the others
                 channel.close()
 
@@ -180,8 +194,17 @@ class WorkerServer:
                 body = Failure(f"{type(e).__name__}: {e}")
             await answer(call.call_id, body)
 
+        async def watch_silence() -> None:  # the scheduler pings well within this bound
+            while not channel.closed:
+                await anyio.sleep(SCHEDULER_SILENCE_S / 8)
+                if (silent_s := time.monotonic() - channel.last_recv_s) > SCHEDULER_SILENCE_S:
+                    log.warning("%s worker: nothing heard from the scheduler at %s for %.0f s: dropping it",
+                                self.worker.role, channel.peer, silent_s)
+                    channel.close()
+
         async with steps_in, steps_out, anyio.create_task_group() as tg:
             tg.start_soon(run_steps)
+            tg.start_soon(watch_silence)
             try:
                 while True:
                     call = await _recv_call(channel)
@@ -213,6 +236,8 @@ class WorkerServer:
     async def _handle(self, body: object) -> AnswerBody:
         endpoint = self.endpoint
         match body:
+            case Ping():
+                return Done()
             case Describe():
                 return self.describe()
             case Reference(prompt, max_tokens):
@@ -272,19 +297,10 @@ class WorkerServer:
 
 async def _recv_call(channel: Channel) -> Call:
     """The next call; ValueError on a frame that is too long or not a call (the connection is dropped)."""
-    prefix = await channel.recv_raw(PREFIX_BYTES)
-    body = await channel.recv_raw(body_length(prefix))
+    prefix = await channel.recv_bytes(PREFIX_BYTES)
+    body = await channel.recv_bytes(body_length(prefix))
     try:
         return decode_call(body)
     except Exception as e:
         raise ValueError(f"undecodable control frame: {e}") from e
-
-
-def _peer_name(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "?"
-
 

@@ -6,21 +6,29 @@ entered, on one connection, and the worker runs them in that order. `RemoteSendi
 `RemoteReceivingEnd` are the transfer halves scheduler/transfer.py drives, run on the prefill and
 the decode worker. A call on a connection that is gone raises `WorkerLost`; so does every call
 waiting when it goes.
+
+Liveness (engine/remote/protocol.py): a worker heard from by nothing for `timeout_s` (it was
+stopped, its host or the network between went silent) is lost, and so is one that leaves a call
+unanswered past CALL_DEADLINE_S; the connection is then closed, so the worker, if it comes back,
+ends everything this scheduler held and rejoins as a new incarnation.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
+import select
+import time
 
 import anyio
 import anyio.abc
 
 from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerLost, WorkerReply
 from kvfence.engine.remote.protocol import (
-    HANDSHAKE_LABEL, PREFIX_BYTES, Answer, AnswerBody, Arm, AwaitVerdict, Call, CallBody, Cancel, Describe,
-    Description, Done, Failure, Paired, PairWith, Push, Reference, Tokens, Verdict, WaitQuiet, body_length,
-    decode_answer, frame,
+    CALL_DEADLINE_S, DEFAULT_WORKER_TIMEOUT_S, HANDSHAKE_LABEL, MAX_WORKER_TIMEOUT_S, PREFIX_BYTES, Answer,
+    AnswerBody, Arm, AwaitVerdict, Call, CallBody, Cancel, Describe, Description, Done, Failure, Paired, PairWith,
+    Ping, Push, Reference, Tokens, Verdict, WaitQuiet, body_length, decode_answer, frame,
 )
 from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult
 from kvfence.transports.core.secret import DeploymentSecret
@@ -28,6 +36,7 @@ from kvfence.transports.wire.channel import Channel, ConnectionGone, connect, sp
 from kvfence.transports.wire.handshake import authenticate_as_connector
 
 log = logging.getLogger(__name__)
+_TRANSFER_CALLS = (Push, AwaitVerdict, WaitQuiet)  # bounded by the transfer, not by CALL_DEADLINE_S
 
 
 class _Waiting:
@@ -41,9 +50,10 @@ class _Waiting:
 class RemoteWorker:
     """One worker's control connection. Make it with `connect`; `lost` is set once it is gone."""
 
-    def __init__(self, address: str, channel: Channel) -> None:
+    def __init__(self, address: str, channel: Channel, timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> None:
         self.address = address
         self.channel = channel
+        self.timeout_s = timeout_s
         self.description: Description | None = None
         self.lost = anyio.Event()
         self._ids = itertools.count(1)
@@ -51,13 +61,17 @@ class RemoteWorker:
 
     @classmethod
     async def connect(cls, tg: anyio.abc.TaskGroup, address: str, secret: DeploymentSecret, *,
-                      timeout_s: float = 10.0) -> RemoteWorker:
+                      handshake_timeout_s: float = 10.0,
+                      timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> RemoteWorker:
         """Connect to the worker's control address, prove the deployment secret (and check the
-        worker's proof), start reading answers in `tg` and ask who it is. WorkerLost when it
-        cannot be reached, fails the handshake, or refuses (it serves another scheduler)."""
+        worker's proof), start reading answers and keeping it alive (`timeout_s`: see the module
+        docstring) in `tg` and ask who it is. WorkerLost when it cannot be reached, fails the
+        handshake, or refuses (it serves another scheduler)."""
+        if not 0 < timeout_s <= MAX_WORKER_TIMEOUT_S:
+            raise ValueError(f"a worker timeout is in (0, {MAX_WORKER_TIMEOUT_S:g}] s, got {timeout_s!r}")
         host, port = split_address(address)
         try:
-            with anyio.fail_after(timeout_s):
+            with anyio.fail_after(handshake_timeout_s):
                 channel = Channel(await connect(host, port))
                 try:
                     await authenticate_as_connector(channel, secret, HANDSHAKE_LABEL)
@@ -66,8 +80,9 @@ class RemoteWorker:
                     raise
         except (TimeoutError, *ConnectionGone) as e:  # AuthenticationFailed is a ConnectionError too
             raise WorkerLost(f"worker at {address}: {e or type(e).__name__}") from e
-        worker = cls(address, channel)
+        worker = cls(address, channel, timeout_s)
         tg.start_soon(worker._read, name=f"control-{address}")
+        tg.start_soon(worker._keep_alive, tg, name=f"keepalive-{address}")
         answer = await worker.ask(Describe())
         if not isinstance(answer, Description):
             worker.close()
@@ -108,18 +123,26 @@ class RemoteWorker:
         return answer.record
 
     async def ask(self, body: CallBody) -> AnswerBody:
-        """Send one call and wait for its answer. WorkerLost if the connection is (or goes) away."""
+        """Send one call and wait for its answer. WorkerLost if the connection is (or goes) away,
+        or the answer to a step or a control call does not come within CALL_DEADLINE_S (the worker
+        is then lost). A transfer's calls (`Push`, `AwaitVerdict`, `WaitQuiet`) wait on the network
+        and on the other worker, as long as the transfer's own timeout and quarantine say: only
+        the keep-alive bounds them."""
         if self.lost.is_set():
             raise WorkerLost(f"the control connection to {self.address} is gone")
         call_id, waiting = next(self._ids), _Waiting()
         self._waiting[call_id] = waiting
         try:
-            try:
-                async with self.channel.send_lock:
-                    await self.channel.send_raw(frame(Call(call_id, body)))
-            except ConnectionGone as e:
-                self._gone(f"send failed: {e}")
-            await waiting.done.wait()
+            bound_s = math.inf if isinstance(body, _TRANSFER_CALLS) else CALL_DEADLINE_S
+            with anyio.move_on_after(bound_s) as deadline:
+                try:
+                    async with self.channel.send_lock:
+                        await self.channel.send_bytes(frame(Call(call_id, body)))
+                except ConnectionGone as e:
+                    self._gone(f"send failed: {e}")
+                await waiting.done.wait()
+            if deadline.cancelled_caught:
+                self._gone(f"{type(body).__name__} unanswered for {CALL_DEADLINE_S:g} s")
         finally:
             self._waiting.pop(call_id, None)
         if waiting.answer is None:
@@ -129,14 +152,45 @@ class RemoteWorker:
     async def _read(self) -> None:
         try:
             while True:
-                prefix = await self.channel.recv_raw(PREFIX_BYTES)
-                answer: Answer = decode_answer(await self.channel.recv_raw(body_length(prefix)))
+                prefix = await self.channel.recv_bytes(PREFIX_BYTES)
+                answer: Answer = decode_answer(await self.channel.recv_bytes(body_length(prefix)))
                 waiting = self._waiting.get(answer.call_id)
                 if waiting is not None:  # else its caller gave up waiting
                     waiting.answer = answer.body
                     waiting.done.set()
         except (ValueError, *ConnectionGone) as e:
             self._gone(str(e) or type(e).__name__)
+
+    async def _keep_alive(self, tg: anyio.abc.TaskGroup) -> None:
+        """Ping whenever nothing went either way for a quarter of `timeout_s`; lose the worker
+        once nothing came back for all of it."""
+        interval_s, pinging = self.timeout_s / 4, False
+
+        async def ping() -> None:
+            nonlocal pinging
+            pinging = True
+            try:
+                await self.ask(Ping())
+            except WorkerLost:
+                pass
+            finally:
+                pinging = False
+
+        while not self.lost.is_set():
+            await anyio.sleep(interval_s)
+            now = time.monotonic()
+            if (silent_s := now - self.channel.last_recv_s) > self.timeout_s and not self._unread():
+                self._gone(f"nothing heard from it for {silent_s:.1f} s (worker timeout {self.timeout_s:g} s)")
+            elif not pinging and min(silent_s, now - self.channel.last_send_s) >= interval_s / 2:
+                tg.start_soon(ping)
+
+    def _unread(self) -> bool:
+        """Bytes from the worker wait in the socket (this process, not the worker, was too busy
+        to read them): it is not silent."""
+        try:
+            return bool(select.select([self.channel.sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed meanwhile
+            return False
 
     def _gone(self, why: str | None) -> None:
         """The connection is gone (`why`: logged; None: closed on purpose); every waiting call fails."""

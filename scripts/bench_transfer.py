@@ -5,6 +5,7 @@ Sizes (pages of the default model in fp32: 16 tokens x 46,080 B = 737,280 B):
   page     1 page (the same one every time, so it stays in the caches)
   request  128 pages (2,048 tokens, ~94 MB), destination pages shuffled, as a real pool hands them out
   256MiB   364 pages (as many whole pages as fit in 256 MiB), contiguous on both sides
+  2048     2,048 pages (32,768 tokens, ~1.5 GB), contiguous on both sides (the pools grow to hold it)
 
 Methods:
   memcpy     torch `copy_` page by page between the two pools (the floor for moving the bytes once)
@@ -54,8 +55,9 @@ from kvfence.transports.registry import create_transport
 
 PAGE_TOKENS = PoolsConfig().page_size_tokens  # the default page size
 PAGE_NBYTES = 46_080 * PAGE_TOKENS  # one fp32 page of the default model
-POOL_PAGES = (256 << 20) // PAGE_NBYTES  # 364
-SIZES = {"page": 1, "request": 2048 // PAGE_TOKENS, "256MiB": POOL_PAGES}
+MIB256_PAGES = (256 << 20) // PAGE_NBYTES  # 364
+SIZES = {"page": 1, "request": 2048 // PAGE_TOKENS, "256MiB": MIB256_PAGES, "2048": 2048}
+DEFAULT_SIZES = ("page", "request", "256MiB")
 TRANSFER_TIMEOUT_S = 60.0
 SECRET = DeploymentSecret.generate()  # both ends live in this process
 MIN_REPS, MAX_REPS = 5, 20_000
@@ -83,12 +85,12 @@ class Row(NamedTuple):
     reps: int = 0
 
 
-def make_cases(sizes: list[str]) -> list[Case]:
+def make_cases(sizes: list[str], pool_pages: int) -> list[Case]:
     rng = random.Random(0)
     cases = []
     for size in sizes:
         n = SIZES[size]
-        dst = {"page": [POOL_PAGES - 1], "request": rng.sample(range(POOL_PAGES), n)}.get(size, list(range(n)))
+        dst = {"page": [pool_pages - 1], "request": rng.sample(range(pool_pages), n)}.get(size, list(range(n)))
         cases.append(Case(size, list(range(n)), dst))
     return cases
 
@@ -271,7 +273,7 @@ def print_table(rows: list[Row]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default=",".join(SIZES))
+    ap.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"of {', '.join(SIZES)}")
     ap.add_argument("--transports", default="tcp,nixl,mooncake,inprocess")
     ap.add_argument("--repeat-seconds", type=float, default=3.0)
     ap.add_argument("--digest-cost", action="store_true", help="also time xxh3_64 alone over the same pages")
@@ -286,13 +288,14 @@ def main() -> None:
         ap.error("--repeat-seconds must be positive and --torch-threads at least 1")
     transports = [t for t in args.transports.split(",") if t]
     torch.set_num_threads(args.torch_threads)
+    pool_pages = max(MIB256_PAGES, *(SIZES[s] for s in sizes))
     load_before = os.getloadavg()
-    print(f"{POOL_PAGES} pages of {PAGE_NBYTES:,} B per pool, {torch.get_num_threads()} torch threads, "
+    print(f"{pool_pages} pages of {PAGE_NBYTES:,} B per pool, {torch.get_num_threads()} torch threads, "
           f"{os.cpu_count()} cpus, load average {load_before[0]:.2f}", flush=True)
 
-    src = torch.randn(POOL_PAGES, PAGE_NBYTES // 4, generator=torch.Generator().manual_seed(0))  # touched
+    src = torch.randn(pool_pages, PAGE_NBYTES // 4, generator=torch.Generator().manual_seed(0))  # touched
     dst = torch.full_like(src, 1.0)  # written once, so no first-touch fault is timed
-    cases = make_cases(sizes)
+    cases = make_cases(sizes, pool_pages)
     rows = [bench_sync("memcpy", memcpy_mover(src, dst), src, dst, c, args.repeat_seconds) for c in cases]
     sock = SocketBaseline(src, dst)
     try:
@@ -318,7 +321,7 @@ def main() -> None:
     print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"page_nbytes": PAGE_NBYTES, "pool_pages": POOL_PAGES, "cpus": os.cpu_count(),
+            json.dump({"page_nbytes": PAGE_NBYTES, "pool_pages": pool_pages, "cpus": os.cpu_count(),
                        "torch_threads": torch.get_num_threads(), "load_average_before": load_before,
                        "load_average_after": load_after, "repeat_seconds": args.repeat_seconds,
                        "rows": [r._asdict() for r in rows], "digest": digest}, f, indent=2)

@@ -63,7 +63,7 @@ class EtcdServer:
     def registered_controls(self) -> set[str] | None:
         """The control addresses of the workers registered now (None while etcd does not answer)."""
         async def listed() -> set[str]:
-            return {r.control for r in await registered_workers("127.0.0.1", self.port)}
+            return {r.control for r in await registered_workers("127.0.0.1", self.port, None)}
 
         try:
             return anyio.run(listed)

@@ -33,6 +33,7 @@ class TwoHosts:
         if os.geteuid() != 0:
             pytest.skip("network namespaces need root")
         tag, k = os.urandom(3).hex(), random.randrange(1, 250)
+        self.tag = tag
         self.namespaces = {"prefill": f"kvfence-p-{tag}", "decode": f"kvfence-d-{tag}"}
         # role -> (this namespace's address, the host's address) on their control link
         self.control = {"prefill": (f"10.211.{k}.1", f"10.211.{k}.2"), "decode": (f"10.212.{k}.1", f"10.212.{k}.2")}
@@ -75,6 +76,11 @@ class TwoHosts:
     def here(self, role: str) -> str:
         """This namespace's address as `role`'s host reaches it (for etcd)."""
         return self.control[role][0]
+
+    def control_link(self, role: str, up: bool) -> None:
+        """Take `role`'s host's control link down (a silent partition: no reset, no FIN, from
+        either side) or bring it back up."""
+        _ip("-n", self.namespaces[role], "link", "set", f"kvn{role[0]}{self.tag}", "up" if up else "down")
 
     def remove(self) -> None:
         """Delete both namespaces (their veth pairs go with them)."""

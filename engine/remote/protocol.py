@@ -1,11 +1,12 @@
 """The control channel between a scheduler and a worker in another process (or on another host).
 
 One TCP connection per worker, opened by the scheduler and authenticated first with the deployment
-secret (transports/wire/handshake.py, labelled "control"); nothing is decoded before that. Then
-each side sends length-prefixed frames (4-byte big-endian length, a JSON body: lease ids are
-128-bit, which JSON carries exactly): the scheduler a `Call`, the worker an `Answer` with the
-same `call_id`. The body of a call is either a worker step (engine/protocol.py's `RunStep`: the
-same message the in-process channel carries) or one of the control messages below.
+secret (transports/wire/handshake.py, labelled "control"); nothing is decoded before that, and
+everything after it is sealed (transports/wire/seal.py). Inside the seal each side sends
+length-prefixed frames (4-byte big-endian length, a JSON body: lease ids are 128-bit, which JSON
+carries exactly): the scheduler a `Call`, the worker an `Answer` with the same `call_id`. The body
+of a call is either a worker step (engine/protocol.py's `RunStep`: the same message the in-process
+channel carries) or one of the control messages below.
 
 Ordering (the contract of engine/protocol.py's `WorkerChannel`): the worker runs the steps in the
 order they arrived, one at a time; every other call runs beside them (a transfer waits for the
@@ -15,6 +16,12 @@ Transfer calls are the halves of scheduler/transfer.py's move, run where the end
 decode worker arms its receiver (`Arm`) and reports the verdict (`AwaitVerdict`); the prefill
 worker pushes to one of the receivers it paired with (`Push`) and waits for quiet (`WaitQuiet`); both
 cancel (`Cancel`). The capability of each push is minted by the scheduler, as in one process.
+
+Liveness: the scheduler sends `Ping` whenever it has heard nothing for a quarter of its worker
+timeout and declares the worker lost when it hears nothing for the whole of it, or when a step or
+a control call (not a transfer's: those wait on the network) stays unanswered past
+`CALL_DEADLINE_S`; the worker drops a scheduler it has heard nothing from for
+`SCHEDULER_SILENCE_S`.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from kvfence.transports.base import EndpointInfo, PairingRecord, TransferManifes
 HANDSHAKE_LABEL = "control"  # the handshake's transport label: a control proof is not a KV transport's
 MAX_CONTROL_FRAME = 64 << 20  # bytes of one frame's body (a prefill chunk, its grants and pages)
 _LEN = struct.Struct(">I")
+CALL_DEADLINE_S = 120.0  # a call unanswered this long, while pings are answered: a stuck device
+SCHEDULER_SILENCE_S = 60.0  # a worker drops a scheduler silent this long
+DEFAULT_WORKER_TIMEOUT_S = 5.0  # the scheduler's bound on a silent worker (kvfence serve --worker-timeout)
+MAX_WORKER_TIMEOUT_S = SCHEDULER_SILENCE_S  # pings go every quarter of it, well inside the worker's bound
 
 
 class Describe(msgspec.Struct, frozen=True, tag="describe"):
@@ -99,6 +110,11 @@ class WaitQuiet(msgspec.Struct, frozen=True, tag="wait_quiet"):
     transfer_id: str
 
 
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """Keep-alive: answered `Done` at once, beside any step or transfer that is running (so a
+    worker that stops answering it is stopped, partitioned or gone, not busy)."""
+
+
 class Reference(msgspec.Struct, frozen=True, tag="reference"):
     """The greedy continuation of `prompt` on this worker's model alone, in a scratch pool (no
     transport, no serving pages): the readiness canary's known answer. `Tokens`."""
@@ -126,7 +142,7 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     message: str
 
 
-CallBody = RunStep | Describe | PairWith | Arm | AwaitVerdict | Push | Cancel | WaitQuiet | Reference
+CallBody = RunStep | Describe | PairWith | Arm | AwaitVerdict | Push | Cancel | WaitQuiet | Reference | Ping
 AnswerBody = StepDone | StepFailed | Description | Paired | Verdict | Done | Tokens | Failure
 
 

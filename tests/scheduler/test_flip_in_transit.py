@@ -1,33 +1,33 @@
 """FAILURES 20 on the production digest path, through the scheduler: one byte of a page is
-flipped after the sender computed its digest — on the wire (a tcp relay between the two
-endpoints) or in the source memory a one-sided WRITE is reading (a NIXL plane that flips it at
-post time) — and the receiver's digest over what landed catches it: the request fails closed
-with no token, and the next request is served exactly."""
+changed after the sender computed its digest — before its record is sealed (a relay holding the
+keys changes the plaintext and seals it again) or in the source memory a one-sided WRITE is
+reading (a NIXL plane that flips it at post time) — and the receiver's digest over what landed
+catches it: the request fails closed with no token, and the next request is served exactly. A
+byte flipped on the wire itself breaks the seal instead: the connection is dropped, the request
+fails the same way, and the next push pairs again."""
 
 from __future__ import annotations
 
 import importlib.util
-import socket
-import threading
+import logging
+from collections.abc import Callable
+from contextlib import ExitStack
 
 import anyio
 import pytest
 import torch
 from nixl_planes import PlaneTransport, WrappedNixlPlane
 from serving_harness import start_serving_over, wait_idle
+from tamper_relay import ALTER, TO_LISTENER, TamperingRelay, frame_namer
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, DeploymentSecret
+from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.data_plane import WriteState
 from kvfence.transports.tcp.transport import TcpTransport
 from kvfence.transports.tcp.wire import Frame
-from kvfence.transports.wire.channel import split_address
-from kvfence.transports.wire.framing import LEN_SIZE, decode_frame, frame_length
-from kvfence.transports.wire.handshake import MAGIC
-from kvfence.transports.wire.messages import Page, PushHeader
 
 pytestmark = pytest.mark.anyio
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
@@ -44,97 +44,59 @@ async def outcome(scheduler, prompt=PROMPT):  # type: ignore[no-untyped-def]
     return ids, last.finish_reason, last.error.code if last.error else None
 
 
-class FlippingRelay:
-    """A TCP relay between a sender and its receiver that flips one byte of the first page of
-    the `flip_push`-th push it carries (the n-th push header seen), and passes everything else."""
+def naming_pushes() -> Callable[[bytes], str]:
+    """Names records as frame_namer does, plus which push (counted by headers) they belong to."""
+    frame_name, pushes = frame_namer(Frame), 0
 
-    def __init__(self, target: str, flip_push: int) -> None:
-        self.target, self.flip_push = target, flip_push
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.flipped = 0
-
-    def serve_one(self) -> None:  # blocking, in a thread
-        conn, _ = self.listener.accept()
-        upstream = socket.create_connection(split_address(self.target))
-        back = threading.Thread(target=self._pipe, args=(upstream, conn), daemon=True)
-        back.start()
-        with conn, upstream:
-            self._forward(conn, upstream)
-        back.join(timeout=5)
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-    def _read(self, conn: socket.socket, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = conn.recv(n - len(data))
-            if not chunk:
-                raise ConnectionResetError
-            data += chunk
-        return data
-
-    def _forward(self, conn: socket.socket, upstream: socket.socket) -> None:
-        """Sender -> receiver: the handshake as it is, then frame by frame, page bytes raw."""
-        try:
-            upstream.sendall(self._read(conn, len(MAGIC) + NONCE_BYTES))
-            upstream.sendall(self._read(conn, MAC_BYTES))
-            pushes, page_nbytes = 0, 0
-            while True:
-                prefix = self._read(conn, LEN_SIZE)
-                body = self._read(conn, frame_length(prefix))
-                upstream.sendall(prefix + body)
-                frame = decode_frame(body, Frame)
-                if isinstance(frame, PushHeader):
-                    pushes, page_nbytes = pushes + 1, frame.page_nbytes
-                elif isinstance(frame, Page):
-                    page = bytearray(self._read(conn, page_nbytes))
-                    if pushes == self.flip_push and frame.index == 0:
-                        page[page_nbytes // 3] ^= 0x01  # after the sender hashed what it sent
-                        self.flipped += 1
-                    upstream.sendall(page)
-        except (OSError, ConnectionResetError):
-            pass
+    def name_of(plain: bytes) -> str:
+        nonlocal pushes
+        name = frame_name(plain)
+        pushes += name == "PushHeader"
+        return f"{name} of push {pushes}"
+    return name_of
 
 
-async def test_a_byte_flipped_on_the_wire_is_caught_by_the_receivers_digest(tiny: Checkpoint) -> None:
+async def serve_through_relay(tiny: Checkpoint, op: str) -> tuple[tuple, TamperingRelay]:
+    """Serve three requests with the KV path through a relay that does `op` to the first page
+    record of the second push; (the second's outcome, the relay), the third checked against the
+    first (the pair carries on)."""
     secret = DeploymentSecret.generate()
     sender, receiver = TcpTransport(secret=secret), TcpTransport(secret=secret)
-    relays: list[FlippingRelay] = []
-
-    def via_relay(info: EndpointInfo) -> EndpointInfo:
-        relays.append(FlippingRelay(info.address, flip_push=2))
-        return EndpointInfo(info.transport, relays[-1].address, info.record)
-
+    routes: list[TamperingRelay] = []
     async with anyio.create_task_group() as tg:
-        async def relay_soon(info: EndpointInfo) -> EndpointInfo:
-            routed = via_relay(info)
-            tg.start_soon(anyio.to_thread.run_sync, relays[-1].serve_one)
-            return routed
+        with ExitStack() as relays:
+            async def via_relay(info: EndpointInfo) -> EndpointInfo:
+                routes.append(relays.enter_context(TamperingRelay(info.address, secret, "tcp", naming_pushes(),
+                                                                  "page bytes of push 2", op, TO_LISTENER)))
+                return EndpointInfo(info.transport, routes[-1].address, info.record)
 
-        s = await start_serving_over(tg, tiny, CONFIG, 64, sender, receiver, secret, route=relay_soon)
-        want, reason, error = await outcome(s.scheduler)
-        assert (reason, error) == ("length", None) and len(want) == 4
-        with anyio.fail_after(10):
-            ids, reason, error = await outcome(s.scheduler)
-        assert (ids, reason, error) == ([], None, "kv_transfer_failed")  # no token, never `length`
-        assert relays[0].flipped == 1
-        assert await outcome(s.scheduler) == (want, "length", None)  # the pair carries on
-        await wait_idle(s.scheduler)
-        await s.aclose()
-        relays[0].listener.close()
-        tg.cancel_scope.cancel()
+            s = await start_serving_over(tg, tiny, CONFIG, 64, sender, receiver, secret, route=via_relay)
+            want, reason, error = await outcome(s.scheduler)
+            assert (reason, error) == ("length", None) and len(want) == 4
+            with anyio.fail_after(10):
+                second = await outcome(s.scheduler)
+                assert await outcome(s.scheduler) == (want, "length", None)
+            await wait_idle(s.scheduler)
+            await s.aclose()
+            tg.cancel_scope.cancel()
+    return second, routes[0]
+
+
+async def test_a_byte_changed_between_digest_and_seal_is_caught_by_the_receivers_digest(tiny: Checkpoint) -> None:
+    second, relay = await serve_through_relay(tiny, ALTER)
+    assert second == ([], None, "kv_transfer_failed")  # no token, never `length`
+    assert relay.tampered.is_set()
+
+
+async def test_a_byte_flipped_on_the_wire_breaks_the_seal_and_the_pair_is_re_paired(
+        tiny: Checkpoint, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    second, relay = await serve_through_relay(tiny, "flip")
+    assert second == ([], None, "kv_transfer_failed")
+    assert relay.tampered.is_set()
+    assert any("failed authentication" in r.getMessage() and relay.upstream_local in r.getMessage()
+               for r in caplog.records)
+    assert any("re-paired tcp peer" in r.getMessage() for r in caplog.records)
 
 
 class FlippingPlane(WrappedNixlPlane):

@@ -6,14 +6,18 @@ Outputs equal the offline engine's; pages return to baseline; a peer without the
 secret gets nothing; a second scheduler is refused while one owns a worker; and when the owning
 scheduler's connection drops, the worker ends everything it held (every page untagged and
 poisoned, a new incarnation, a fresh KV endpoint) and the next scheduler serves exactly again.
+A thousand silent connections to the control ports and the KV endpoint stop none of it.
 """
 
 from __future__ import annotations
+
+import socket
 
 import anyio
 import pytest
 import torch
 from hosted_workers import MODEL_ID, PAGE, PAGES, Hosted, host_pair
+from flood import FLOOD, connect, enough_descriptors
 from serving_harness import wait_idle
 
 from kvfence.app.remote_front import WorkerSetError, check_worker, pair_remote
@@ -158,3 +162,42 @@ async def test_workers_that_cannot_serve_together_are_refused_with_the_reason(ti
 def test_the_reference_is_the_models_own_greedy_answer(tiny: Checkpoint) -> None:
     model = LlamaModel(tiny, torch.float32)
     assert greedy_answer(model, tiny.tokenizer, PROMPTS[0], 10, PAGE) == offline(tiny)[0]
+
+
+@pytest.mark.anyio
+async def test_a_thousand_silent_connections_stop_no_step_and_no_transfer(tiny: Checkpoint) -> None:
+    """Silent connections to both control ports and to the decode worker's KV endpoint, opened
+    while a scheduler serves: its steps and transfers go on exactly, the workers hold at most their
+    budget of them, and a new scheduler still gets through the flood once this one leaves."""
+    want = offline(tiny)
+    secret = DeploymentSecret.generate()
+    flood: list[socket.socket] = []
+    enough_descriptors(FLOOD + 64)
+    async with anyio.create_task_group() as tg:
+        hosted = await host_pair(tg, tiny, secret)
+        assert hosted[1].endpoint.info is not None
+        targets = [hosted[0].address, hosted[1].address, hosted[1].endpoint.info.address]
+        try:
+            async with anyio.create_task_group() as first:
+                scheduler, workers = await front(first, hosted, secret, tiny.tokenizer)
+                for i in range(FLOOD):
+                    flood.append(await anyio.to_thread.run_sync(connect, targets[i % len(targets)]))
+                assert await outputs(scheduler) == want
+                await wait_idle(scheduler)
+                for h in hosted:
+                    assert len(h.server._unauthenticated) <= h.server._unauthenticated.cap
+                    assert h.server._unauthenticated.evicted > 0
+                for w in workers:
+                    w.close()
+                first.cancel_scope.cancel()
+            await until(lambda: all(h.server.served == 1 for h in hosted))
+            async with anyio.create_task_group() as second:
+                scheduler, workers = await front(second, hosted, secret, tiny.tokenizer)
+                assert await outputs(scheduler) == want
+                for w in workers:
+                    w.close()
+                second.cancel_scope.cancel()
+        finally:
+            for s in flood:
+                s.close()
+        tg.cancel_scope.cancel()

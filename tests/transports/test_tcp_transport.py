@@ -11,15 +11,14 @@ import msgspec
 import pytest
 import torch
 from transport_harness import (TEST_SECRET, make_manifest, make_record, page_bytes, paired, raw_authenticate,
-                               recv_exactly, recv_until_closed)
+                               raw_listen_authenticated,
+                               recv_until_closed)
 
 from kvfence.transports.base import EndpointInfo, PairingRefused
-from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES
 from kvfence.transports.tcp.transport import TcpTransport
 from kvfence.transports.tcp.wire import Frame
 from kvfence.transports.wire.channel import split_address
 from kvfence.transports.wire.framing import LEN_SIZE, decode_frame, encode_frame, frame_length
-from kvfence.transports.wire.handshake import MAGIC
 from kvfence.transports.wire.messages import Hello, HelloReply
 
 pytestmark = pytest.mark.anyio
@@ -29,10 +28,12 @@ def raw_exchange(address: str, payload: bytes, authenticate: bool = False) -> by
     """Blocking helper (run in a thread): authenticate first (as a deployment member) if asked,
     send payload, read until the server closes."""
     with socket.create_connection(split_address(address), timeout=5) as s:
-        if authenticate:
-            raw_authenticate(s)
-        s.sendall(payload)
-        return recv_until_closed(s)
+        if not authenticate:
+            s.sendall(payload)
+            return recv_until_closed(s)
+        sealed = raw_authenticate(s)
+        sealed.sendall(payload)
+        return sealed.recv_until_closed()
 
 
 async def test_listener_refuses_a_foreign_transport_and_hangs_up() -> None:
@@ -91,14 +92,6 @@ async def test_push_cancelled_while_queued_behind_another_notifies_the_receiver(
         p.assert_landed(list(range(31)), list(range(31)))
 
 
-def raw_listen_authenticated(conn: socket.socket) -> None:
-    """The listening side of the peer handshake with the test deployment's secret."""
-    opening = recv_exactly(conn, len(MAGIC) + NONCE_BYTES)
-    connector_nonce, listener_nonce = opening[len(MAGIC):], os.urandom(NONCE_BYTES)
-    conn.sendall(listener_nonce + TEST_SECRET.proof("listener", "tcp", connector_nonce, listener_nonce))
-    assert TEST_SECRET.proves(recv_exactly(conn, MAC_BYTES), "connector", "tcp", connector_nonce, listener_nonce)
-
-
 def fake_listener(reply_info: EndpointInfo) -> tuple[socket.socket, Callable[[], None]]:
     """A listener that accepts any Hello and answers 'accepted' with `reply_info` (a liar)."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -106,10 +99,9 @@ def fake_listener(reply_info: EndpointInfo) -> tuple[socket.socket, Callable[[],
     def serve_one() -> None:
         conn, _ = listener.accept()
         with conn:
-            raw_listen_authenticated(conn)
-            prefix = conn.recv(LEN_SIZE, socket.MSG_WAITALL)
-            conn.recv(frame_length(prefix), socket.MSG_WAITALL)
-            conn.sendall(encode_frame(HelloReply(True, "", reply_info)))
+            sealed = raw_listen_authenticated(conn)
+            sealed.recv_record()  # the Hello
+            sealed.sendall(encode_frame(HelloReply(True, "", reply_info)))
             conn.recv(1)  # until the client hangs up
 
     return listener, serve_one

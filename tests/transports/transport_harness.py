@@ -38,9 +38,11 @@ from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, DeploymentSec
 from kvfence.transports.inprocess import InProcessHub
 from kvfence.transports.registry import create_transport
 from kvfence.transports.wire.handshake import MAGIC
+from kvfence.transports.wire.seal import HEADER_BYTES, Opener, Sealer
 
 # The deployment secret every endpoint these tests make shares (tests of a stranger make their own).
 TEST_SECRET = DeploymentSecret.generate()
+LISTENING = ["tcp", "nixl", "mooncake"]  # the transports with a listening socket
 
 # A third-party transport runs the same suites on itself: install it (entry point group
 # `kvfence.transports`) and name it in KVFENCE_CONFORMANCE_TRANSPORTS (comma-separated), e.g.
@@ -200,15 +202,59 @@ class MooncakeStranger:
         return self.engine.transfer_sync_read(session, self.buffer.data_ptr(), address, self.PAGE)
 
 
-def raw_authenticate(sock: socket.socket, secret: DeploymentSecret = TEST_SECRET, transport: str = "tcp") -> None:
+class SealedSocket:
+    """A blocking socket past the handshake, speaking sealed records as a deployment member would:
+    `sendall` seals, `recv_until_closed` opens every record that arrives."""
+
+    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes) -> None:
+        self.sock = sock
+        self.sealer, self.opener = Sealer(send_key), Opener(recv_key)
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(self.sealer.seal(data))
+
+    def recv_record(self) -> bytes:
+        """The plaintext of the next record (blocking)."""
+        header = recv_exactly(self.sock, HEADER_BYTES)
+        body = recv_exactly(self.sock, Opener.body_nbytes(header))
+        out = bytearray(len(body))
+        return bytes(out[:self.opener.open_into(header, body, memoryview(out))])
+
+    def recv_until_closed(self) -> bytes:
+        """The plaintext of every record until the peer closes (a record cut short: dropped)."""
+        wire, plain = recv_until_closed(self.sock), b""
+        while len(wire) >= HEADER_BYTES:
+            header, n = wire[:HEADER_BYTES], Opener.body_nbytes(wire[:HEADER_BYTES])
+            if len(wire) < HEADER_BYTES + n:
+                break
+            out = bytearray(n)
+            k = self.opener.open_into(header, wire[HEADER_BYTES:HEADER_BYTES + n], memoryview(out))
+            plain, wire = plain + bytes(out[:k]), wire[HEADER_BYTES + n:]
+        return plain
+
+
+def raw_authenticate(sock: socket.socket, secret: DeploymentSecret = TEST_SECRET,
+                     transport: str = "tcp") -> SealedSocket:
     """The connecting side of the peer handshake over a blocking socket (what a deployment member
-    sends); AssertionError when the listener's proof does not verify."""
+    sends), then sealed as it is; AssertionError when the listener's proof does not verify."""
     connector_nonce = os.urandom(NONCE_BYTES)
     sock.sendall(MAGIC + connector_nonce)
     answer = recv_exactly(sock, NONCE_BYTES + MAC_BYTES)
     listener_nonce, mac = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
     assert secret.proves(mac, "listener", transport, connector_nonce, listener_nonce)
     sock.sendall(secret.proof("connector", transport, connector_nonce, listener_nonce))
+    return SealedSocket(sock, *secret.session_keys(transport, connector_nonce, listener_nonce))
+
+
+def raw_listen_authenticated(conn: socket.socket, secret: DeploymentSecret = TEST_SECRET,
+                             transport: str = "tcp") -> SealedSocket:
+    """The listening side of the peer handshake over a blocking socket, then sealed."""
+    opening = recv_exactly(conn, len(MAGIC) + NONCE_BYTES)
+    connector_nonce, listener_nonce = opening[len(MAGIC):], os.urandom(NONCE_BYTES)
+    conn.sendall(listener_nonce + secret.proof("listener", transport, connector_nonce, listener_nonce))
+    assert secret.proves(recv_exactly(conn, MAC_BYTES), "connector", transport, connector_nonce, listener_nonce)
+    to_listener, to_connector = secret.session_keys(transport, connector_nonce, listener_nonce)
+    return SealedSocket(conn, to_connector, to_listener)
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:

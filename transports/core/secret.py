@@ -3,14 +3,22 @@ capabilities.
 
 Every process of one deployment holds the same secret (generated per process when both workers
 live in it; read from `--transport-secret-file` when they do not). It never crosses the wire.
-Two keys are derived from it, one per use, so a MAC made for one purpose is never valid for the
-other.
+Four keys are derived from it, one per use, so a MAC made for one purpose is never valid for
+another.
 
 Peer authentication: each side proves it knows the secret by `proof(role, transport, nonce_c,
 nonce_l)`, an HMAC over a nonce the other side just chose, so a recorded exchange replays to
 nothing; the role label keeps a listener's proof from being reflected back as a connector's. The
 exchange over a connection is wire/handshake.py's; the in-process transport makes the same proofs
 without a wire.
+
+Session keys: once a handshake succeeds, both ends derive the keys that seal the rest of the
+connection (wire/seal.py) by HKDF-SHA256 from the session key, salted with both nonces and bound to
+the transport label: one key per direction, fresh for every connection, known to nobody who does
+not hold the secret, so a relay that forwarded the handshake can neither read nor write what follows.
+
+Registrations: a worker's etcd registration carries a MAC over its key and value
+(app/membership.py), so a front end dials only workers of its own deployment.
 
 A capability is a MAC, minted where a transfer is planned, over what the push may do: the
 transfer id, the destination lease, the destination pages, the token count, the nonce and the
@@ -31,6 +39,9 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from kvfence.transports.base import TransferManifest
 
 log = logging.getLogger(__name__)
@@ -38,6 +49,7 @@ log = logging.getLogger(__name__)
 SECRET_MIN_BYTES = 32
 NONCE_BYTES = 32
 MAC_BYTES = 32  # HMAC-SHA256
+SESSION_KEY_BYTES = 32  # AES-256-GCM, one key per direction
 
 
 class AuthenticationFailed(ConnectionError):
@@ -47,7 +59,7 @@ class AuthenticationFailed(ConnectionError):
 class DeploymentSecret:
     """The secret of one deployment; `repr` never shows it."""
 
-    __slots__ = ("_auth_key", "_capability_key")
+    __slots__ = ("_auth_key", "_capability_key", "_registration_key", "_session_key")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < SECRET_MIN_BYTES:
@@ -55,6 +67,8 @@ class DeploymentSecret:
                              f"make one with: head -c 32 /dev/urandom | base64 > secret && chmod 600 secret")
         self._auth_key = hmac.digest(secret, b"kvfence peer authentication v1", hashlib.sha256)
         self._capability_key = hmac.digest(secret, b"kvfence push capability v1", hashlib.sha256)
+        self._session_key = hmac.digest(secret, b"kvfence session keys v1", hashlib.sha256)
+        self._registration_key = hmac.digest(secret, b"kvfence registration v1", hashlib.sha256)
 
     def __repr__(self) -> str:
         return "DeploymentSecret(<hidden>)"
@@ -90,6 +104,23 @@ class DeploymentSecret:
 
     def proves(self, mac: bytes, role: str, transport: str, connector_nonce: bytes, listener_nonce: bytes) -> bool:
         return hmac.compare_digest(mac, self.proof(role, transport, connector_nonce, listener_nonce))
+
+    def session_keys(self, transport: str, connector_nonce: bytes, listener_nonce: bytes) -> tuple[bytes, bytes]:
+        """The keys sealing the connection whose handshake used these nonces: (connector to
+        listener, listener to connector)."""
+        if len(connector_nonce) != NONCE_BYTES or len(listener_nonce) != NONCE_BYTES:
+            raise ValueError(f"handshake nonces have {NONCE_BYTES} bytes")
+        keys = HKDF(SHA256(), 2 * SESSION_KEY_BYTES, salt=connector_nonce + listener_nonce,
+                    info=b"kvfence session v1|" + transport.encode()).derive(self._session_key)
+        return keys[:SESSION_KEY_BYTES], keys[SESSION_KEY_BYTES:]
+
+    # -- membership ------------------------------------------------------------------------
+    def registration_mac(self, key: bytes, value: bytes) -> str:
+        """The MAC a worker puts beside its registration `value` under etcd `key` (hex)."""
+        return hmac.digest(self._registration_key, len(key).to_bytes(4, "big") + key + value, hashlib.sha256).hex()
+
+    def registration_ok(self, mac: str, key: bytes, value: bytes) -> bool:
+        return hmac.compare_digest(mac.encode(), self.registration_mac(key, value).encode())
 
     # -- capabilities ----------------------------------------------------------------------
     def capability(self, manifest: TransferManifest, dst_pages: Sequence[int], receiver_incarnation: str) -> str:

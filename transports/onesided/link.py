@@ -31,6 +31,7 @@ class Link:
         self.peer: EndpointInfo | None = None
         self.plane_peer = ""
         self.lost_reason = ""
+        self.distrusted = False  # dropped because a write on it stayed unconfirmed: never re-paired
         self._outbox: deque[Message] = deque()
         self._ready = anyio.Event()
 
@@ -52,8 +53,9 @@ class Link:
                     self._ready = anyio.Event()
                     await self._ready.wait()
                     continue
-                async with self.channel.send_lock:
-                    await self.channel.send_frame(self._outbox.popleft())
+                async with self.channel.send_lock:  # the link may be lost (outbox cleared) meanwhile
+                    if self._outbox:
+                        await self.channel.send_frame(self._outbox.popleft())
         except ConnectionGone:
             self.lose("peer_lost")
 

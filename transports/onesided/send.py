@@ -139,6 +139,7 @@ class SenderHalf:
                 await write.done.wait()
             if write.state is WriteState.PENDING:  # unconfirmed: the receiver must stop trusting the pair
                 self.unsettled[tid] = write  # the poller keeps watching it: see `wait_quiet`
+                s.link.distrusted = True  # and this end does not pair it again by itself
                 s.link.lose("peer_lost")
             raise
 

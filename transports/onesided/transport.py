@@ -29,9 +29,11 @@ pages may still be read or written and must stay quarantined.
 One task polls write states and notifications: quickly while writes are in flight or expected
 (backing off to `poll_interval_s`), not at all when idle. A lost control connection fails its
 transfers with "peer_lost" (a write already posted may still land: the receiver's `cancel` then
-returns False). Pools must be on the CPU: a CUDA pool would be registered with the plane directly
-(NIXL writes VRAM), not staged through host memory, and verified by a digest over device memory;
-neither is built yet.
+returns False); the next push to that peer pairs it again (same address and incarnation, with
+backoff: wire/redial.py), unless the link was dropped because a write on it stayed unconfirmed.
+Pools must be on the CPU: a CUDA pool would be registered with the plane directly (NIXL writes
+VRAM), not staged through host memory, and verified by a digest over device memory; neither is
+built yet.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, Transfer
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.data_plane import DataPlane, WriteState
 from kvfence.transports.onesided.link import Link
+from kvfence.transports.wire.redial import Redial
 from kvfence.transports.onesided.receive import ReceiverHalf
 from kvfence.transports.onesided.send import SenderHalf
 from kvfence.transports.onesided.wire import MAX_HELLO, Message
 from kvfence.transports.wire.channel import Channel, ConnectionGone
 from kvfence.transports.wire.framing import ProtocolError
 from kvfence.transports.wire.listening import ListeningEndpoint
+from kvfence.transports.wire.pending import DEFAULT_MAX_UNAUTHENTICATED
 from kvfence.transports.wire.messages import Ping
 
 log = logging.getLogger(__name__)
@@ -70,10 +74,15 @@ def _pinger(link: Link) -> Callable[[], Awaitable[None]]:
 
 
 class OneSidedPeer(Peer):
-    def __init__(self, owner: OneSidedTransport, info: EndpointInfo, link: Link) -> None:
+    """`dialed`: what `pair` was given (the address dialed again to re-pair); `info`: what the
+    peer answered; `link`: the current control link to it."""
+
+    def __init__(self, owner: OneSidedTransport, dialed: EndpointInfo, info: EndpointInfo, link: Link) -> None:
         self.owner = owner
+        self.dialed = dialed
         self.info = info
         self.link = link
+        self.redial = Redial(f"{owner.name} peer {dialed.address}")
 
 
 class OneSidedTransport(ListeningEndpoint):
@@ -88,10 +97,12 @@ class OneSidedTransport(ListeningEndpoint):
 
     def __init__(self, plane: DataPlane, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
                  handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
                  cancel_ack_timeout_s: float = 5.0, write_chunk_bytes: int = 8 << 20,
                  poll_interval_s: float = 0.001) -> None:
         super().__init__(host, port, secret=secret, handshake_timeout_s=handshake_timeout_s,
-                         keepalive_s=keepalive_s, max_connections=max_connections, stage_through_host=False)
+                         keepalive_s=keepalive_s, max_connections=max_connections,
+                         max_unauthenticated=max_unauthenticated, stage_through_host=False)
         for what, value in (("write_chunk_bytes", write_chunk_bytes), ("cancel_ack_timeout_s", cancel_ack_timeout_s),
                             ("poll_interval_s", poll_interval_s)):
             if not value > 0:
@@ -207,6 +218,12 @@ class OneSidedTransport(ListeningEndpoint):
         prove the deployment secret; OSError (ConnectionError) when unreachable, not speaking this
         protocol (a listener that refused us just closes), or its data plane cannot be reached;
         TimeoutError when the handshake stalls."""
+        link = await self._connect(peer)
+        assert link.peer is not None
+        return OneSidedPeer(self, peer, link.peer, link)
+
+    async def _connect(self, peer: EndpointInfo) -> Link:
+        """Dial and pair `peer` (see `pair`); the running link."""
         channel, reply = await self._dial(peer)
         link = Link(channel)
         try:
@@ -220,8 +237,18 @@ class OneSidedTransport(ListeningEndpoint):
         self._peers[peer.address] = link
         self._tg.start_soon(link.write_loop)
         self._tg.start_soon(self._serve_receiver, link)
-        self._keep_alive(link.channel, _pinger(link), f"link to {peer.address}")
-        return OneSidedPeer(self, reply.info, link)
+        self._keep_alive(link.channel, _pinger(link), "sending link")
+        return link
+
+    async def _current(self, peer: OneSidedPeer) -> Link:
+        """The peer's link, re-paired first when it was lost (redial.py's backoff; a lost one is
+        returned when re-pairing is not due or fails, and its pushes fail at once). A link this end
+        dropped because a write on it stayed unconfirmed is not re-paired: the pair stays dropped
+        until the front end pairs the workers again."""
+        if not peer.link.alive and not peer.link.distrusted and not self._closed:
+            if (link := await peer.redial.attempt(lambda: self._connect(peer.dialed))) is not None:
+                peer.link = link
+        return peer.link
 
     async def push(self, peer: Peer, manifest: TransferManifest, src_pages: list[int],
                    dst_pages: list[int]) -> TransferResult:
@@ -235,7 +262,8 @@ class OneSidedTransport(ListeningEndpoint):
         pool_bytes = self._check_push(manifest, src_pages, dst_pages)
         if not isinstance(peer, OneSidedPeer) or peer.owner is not self:
             raise ValueError(f"push to a peer this {self.name} endpoint did not pair with")
-        return await self._sender.push(peer.link, pool_bytes, manifest, list(src_pages), list(dst_pages))
+        return await self._sender.push(await self._current(peer), pool_bytes, manifest, list(src_pages),
+                                       list(dst_pages))
 
     async def cancel(self, transfer_id: str) -> bool:
         """Both halves. Receiving: un-expect it at once (a later announcement is refused); if it

@@ -15,8 +15,9 @@ the bytes it sent (with the paired algorithm).
 
 A pool that is not on the CPU is staged through host memory (core/staging.py; `stage_through_host`).
 
-A lost connection is not re-established: its pushes fail with "peer_lost", later pushes to that
-peer return "peer_lost" at once, and `health()` stays False until the peer is paired again.
+A lost connection fails its pushes with "peer_lost"; the next push to that peer dials it again
+(the same address and incarnation, with backoff: wire/redial.py) and, while that fails, returns
+"peer_lost" at once. `health()` is False while a paired connection is down.
 """
 
 from __future__ import annotations
@@ -34,14 +35,22 @@ from kvfence.transports.tcp.send import SenderConnection
 from kvfence.transports.tcp.wire import MAX_HELLO, Frame
 from kvfence.transports.wire.channel import Channel
 from kvfence.transports.wire.listening import ListeningEndpoint
+from kvfence.transports.wire.pending import DEFAULT_MAX_UNAUTHENTICATED
+from kvfence.transports.wire.redial import Redial
 from kvfence.transports.wire.messages import Ping
 
 
 class TcpPeer(Peer):
-    def __init__(self, owner: TcpTransport, info: EndpointInfo, connection: SenderConnection) -> None:
+    """`dialed`: what `pair` was given (the address dialed again to re-pair); `info`: what the
+    peer answered; `connection`: the current connection to it."""
+
+    def __init__(self, owner: TcpTransport, dialed: EndpointInfo, info: EndpointInfo,
+                 connection: SenderConnection) -> None:
         self.owner = owner
+        self.dialed = dialed
         self.info = info
         self.connection = connection
+        self.redial = Redial(f"tcp peer {dialed.address}")
 
 
 async def _ping(channel: Channel) -> None:
@@ -58,12 +67,15 @@ class TcpTransport(ListeningEndpoint):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
                  handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
                  stage_through_host: bool | None = None,
                  stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
         """`host`/`port`: where it listens (loopback unless told otherwise; 0: an ephemeral port).
-        `secret`, `handshake_timeout_s`, `keepalive_s`, `max_connections`: see ListeningEndpoint."""
+        `secret`, `handshake_timeout_s`, `keepalive_s`, `max_connections`, `max_unauthenticated`:
+        see ListeningEndpoint."""
         super().__init__(host, port, secret=secret, handshake_timeout_s=handshake_timeout_s,
                          keepalive_s=keepalive_s, max_connections=max_connections,
+                         max_unauthenticated=max_unauthenticated,
                          stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
         self._peers: dict[str, SenderConnection] = {}  # by peer address
         self._accepted: set[Channel] = set()
@@ -96,18 +108,32 @@ class TcpTransport(ListeningEndpoint):
         (either side's verdict); AuthenticationFailed (a ConnectionError) when the peer does not
         prove the deployment secret; OSError (ConnectionError) when unreachable or not speaking
         this protocol (a listener that refused us just closes); TimeoutError when the handshake stalls."""
+        connection, info = await self._connect(peer)
+        return TcpPeer(self, peer, info, connection)
+
+    async def _connect(self, peer: EndpointInfo) -> tuple[SenderConnection, EndpointInfo]:
+        """Dial and pair `peer` (see `pair`); the running connection and the peer's info."""
         channel, reply = await self._dial(peer)
         try:
             connection = SenderConnection(channel, reply.info)
+            assert self._tg is not None
             self._tg.start_soon(connection.run)
-            self._keep_alive(channel, lambda: _ping(channel), f"connection to {peer.address}")
+            self._keep_alive(channel, lambda: _ping(channel), "sending connection")
         except BaseException:
             channel.close()
             raise
         if (old := self._peers.pop(peer.address, None)) is not None:
             old.lose("peer_lost")
         self._peers[peer.address] = connection
-        return TcpPeer(self, reply.info, connection)
+        return connection, reply.info
+
+    async def _current(self, peer: TcpPeer) -> SenderConnection:
+        """The peer's connection, re-paired first when it was lost (redial.py's backoff; a lost one
+        is returned when re-pairing is not due or fails, and its pushes fail "peer_lost")."""
+        if not peer.connection.alive and not self._closed:
+            if (reopened := await peer.redial.attempt(lambda: self._connect(peer.dialed))) is not None:
+                peer.connection = reopened[0]
+        return peer.connection
 
     async def push(self, peer: Peer, manifest: TransferManifest, src_pages: list[int],
                    dst_pages: list[int]) -> TransferResult:
@@ -119,7 +145,8 @@ class TcpTransport(ListeningEndpoint):
             raise ValueError("push to a peer this tcp endpoint did not pair with")
         out = self._outgoing.add(manifest.transfer_id)
         try:
-            return await peer.connection.push(out, pool_bytes, manifest, list(src_pages), list(dst_pages))
+            connection = await self._current(peer)
+            return await connection.push(out, pool_bytes, manifest, list(src_pages), list(dst_pages))
         finally:
             self._outgoing.remove(out)
 

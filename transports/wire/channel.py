@@ -1,16 +1,22 @@
-"""A transport connection: a raw non-blocking socket (anyio wait_readable / wait_writable, so it
-never blocks the event loop) carrying raw bytes (the handshake), frames (framing.py) and, for tcp,
-page bytes; and how such sockets are opened, listened on and accepted.
+"""A kvfence connection: a raw non-blocking socket (anyio wait_readable / wait_writable, so it
+never blocks the event loop) carrying, in clear, only the handshake (handshake.py), which then
+`seal`s it: every later byte (frames of framing.py, a control channel's messages, tcp's page bytes)
+travels inside the sealed records of seal.py, and a record that fails its check drops the
+connection with a log line naming the peer. Also: how such sockets are opened, listened on and
+accepted.
 
-Pool memory is never handed to the kernel across an await: every `recv_into` into a pool page and
-every `send` from one is a synchronous call made right after asking the caller whether that is
-still allowed (`target()` / `stop()`). So a cancellation processed between two steps takes effect
-before the next byte is read from or written to the pool. Closed or failed sockets surface as
-OSError (EOF is ConnectionResetError) or anyio.ClosedResourceError.
+Pool memory is never handed to the kernel across an await, and no unauthenticated byte reaches it:
+a page is sealed from the pool by a synchronous call made right after asking the caller whether
+that is still allowed (`stop()`), and what arrives is opened into the channel's own buffer and
+copied into pool memory only after its record passed, right after asking `target()`. So a
+cancellation processed between two steps takes effect before the next byte is read from or
+written to the pool. Closed or failed sockets surface as OSError (EOF is ConnectionResetError) or
+anyio.ClosedResourceError; a broken seal as SealBroken (a ProtocolError, itself an OSError).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -22,114 +28,182 @@ import msgspec
 
 from kvfence.transports.core.digest import Hasher
 from kvfence.transports.wire.framing import LEN_SIZE, MAX_FRAME, decode_frame, encode_frame, frame_length
+from kvfence.transports.wire.seal import HEADER_BYTES, RECORD_MAX, WIRE_MAX, Opener, SealBroken, Sealer
 
-SCRATCH_BYTES = 256 << 10
+log = logging.getLogger(__name__)
+
 ConnectionGone = (OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)
+_ZEROS = bytes(RECORD_MAX)
 
 
 class Channel:
-    """A connected socket. Sends: one task at a time, holding `send_lock`. Receives: one task."""
+    """A connected socket. Sends: one task at a time, holding `send_lock`. Receives: one task.
+    Before `seal`, only `send_clear` / `recv_clear` (the handshake); after it, everything else."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self.peer = peer_name(sock)
         self.send_lock = anyio.Lock()
         self.closed = False
         self.last_recv_s = self.last_send_s = time.monotonic()  # for keep-alive (keepalive.py)
-        self._owed_frame = memoryview(b"")  # rest of a frame whose sending was interrupted
-        self._owed_pad = 0  # rest of a page whose sending was stopped or interrupted
+        self._sealer: Sealer | None = None
+        self._opener: Opener | None = None
+        self._owed_wire = memoryview(b"")  # rest of sealed bytes whose sending was interrupted
+        self._owed_pad = 0  # plaintext bytes of a page whose sending was stopped or interrupted
+        # Allocated by `seal`, so a connection that never authenticates costs no more than its
+        # socket: one sealed page record at a time, the record being received, the last record
+        # opened and how much of it is consumed.
+        self._wire_out = self._wire_in = self._plain = memoryview(b"")
+        self._plain_at = self._plain_end = 0
         self._prefix = bytearray(LEN_SIZE)
-        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
-        self._zeros = memoryview(bytes(SCRATCH_BYTES))
+
+    # -- sealing -----------------------------------------------------------------------------
+    @property
+    def sealed(self) -> bool:
+        return self._sealer is not None
+
+    def seal(self, send_key: bytes, recv_key: bytes) -> None:
+        """From now on every byte either way travels sealed (handshake.py calls this once)."""
+        if self.sealed:
+            raise RuntimeError("the channel is already sealed")
+        self._sealer, self._opener = Sealer(send_key), Opener(recv_key)
+        self._wire_out, self._wire_in = memoryview(bytearray(WIRE_MAX)), memoryview(bytearray(WIRE_MAX))
+        self._plain = memoryview(bytearray(RECORD_MAX))
+
+    def _sealed(self) -> tuple[Sealer, Opener]:
+        if self._sealer is None or self._opener is None:
+            raise RuntimeError("nothing but the handshake travels unsealed")
+        return self._sealer, self._opener
 
     # -- sending (hold send_lock) ----------------------------------------------------------
     @property
     def settled(self) -> bool:
-        """No frame or page is half sent: the next frame may start."""
-        return not self._owed_frame and not self._owed_pad
+        """No message or page is half sent: the next one may start."""
+        return not self._owed_wire and not self._owed_pad
+
+    def _check_settled(self) -> None:
+        if not self.settled:
+            raise anyio.BrokenResourceError("a previous send was left unfinished")
+
+    async def send_clear(self, data: bytes) -> None:
+        """Send `data` as it is: the handshake, before `seal`."""
+        self._check_settled()
+        if self.sealed:
+            raise RuntimeError("the channel is sealed: nothing more travels in clear")
+        self._owed_wire = memoryview(data)
+        await self._flush()
+
+    async def send_bytes(self, data: bytes | bytearray) -> None:
+        """Send `data` sealed (as many records as it needs, sealed before the first is sent)."""
+        self._check_settled()
+        sealer, _ = self._sealed()
+        self._owed_wire = memoryview(sealer.seal(data))
+        await self._flush()
 
     async def send_frame(self, frame: msgspec.Struct) -> None:
-        if not self.settled:
-            raise anyio.BrokenResourceError("a previous send was left unfinished")
-        self._owed_frame = memoryview(encode_frame(frame))
-        await self._flush()
-
-    async def send_raw(self, data: bytes) -> None:
-        """Send `data` as it is (the handshake before any frame)."""
-        if not self.settled:
-            raise anyio.BrokenResourceError("a previous send was left unfinished")
-        self._owed_frame = memoryview(data)
-        await self._flush()
+        await self.send_bytes(encode_frame(frame))
 
     async def send_page(self, page: memoryview, hasher: Hasher, stop: Callable[[], bool]) -> bool:
-        """Send `page`, feeding every sent chunk to `hasher`. Checks `stop()` before each read of
-        `page`; when it is True returns False, leaving the rest owed (`settle` pads it)."""
-        if not self.settled:
-            raise anyio.BrokenResourceError("a previous send was left unfinished")
+        """Send `page` sealed, a record at a time, feeding every sealed chunk to `hasher`. Checks
+        `stop()` before each read of `page`; when it is True returns False, leaving the rest owed
+        (`settle` pads it)."""
+        self._check_settled()
+        sealer, _ = self._sealed()
         self._owed_pad = len(page)
         sent = 0
         while sent < len(page):
             if stop():
                 return False
-            try:
-                k = self.sock.send(page[sent:])
-            except (BlockingIOError, InterruptedError):
-                await anyio.wait_writable(self.sock)
-                continue
-            hasher.update(page[sent:sent + k])
-            self.last_send_s = time.monotonic()
-            sent += k
-            self._owed_pad -= k
+            chunk = page[sent:sent + RECORD_MAX]
+            self._owed_wire = self._wire_out[:sealer.seal_into(chunk, self._wire_out)]  # the page's only read
+            hasher.update(chunk)
+            sent += len(chunk)
+            self._owed_pad -= len(chunk)
+            await self._flush()
         return True
 
     async def settle(self) -> None:
-        """Finish an interrupted frame and pad an unfinished page with zeros."""
+        """Finish an interrupted message and pad an unfinished page with zeros."""
         await self._flush()
         while self._owed_pad:
-            self._owed_pad -= await self._send_some(self._zeros[:min(self._owed_pad, len(self._zeros))])
+            sealer, _ = self._sealed()
+            n = min(self._owed_pad, RECORD_MAX)
+            self._owed_wire = self._wire_out[:sealer.seal_into(_ZEROS[:n], self._wire_out)]
+            self._owed_pad -= n
+            await self._flush()
 
     async def _flush(self) -> None:
-        while self._owed_frame:
-            self._owed_frame = self._owed_frame[await self._send_some(self._owed_frame):]
-
-    async def _send_some(self, data: memoryview) -> int:
-        while True:
+        while self._owed_wire:
             try:
-                k = self.sock.send(data)
+                k = self.sock.send(self._owed_wire)
             except (BlockingIOError, InterruptedError):
                 await anyio.wait_writable(self.sock)
                 continue
             self.last_send_s = time.monotonic()
-            return k
+            self._owed_wire = self._owed_wire[k:]
 
     # -- receiving (one reader task) -------------------------------------------------------
     async def recv_frame(self, protocol: Any, limit: int = MAX_FRAME) -> Any:
         """The next frame, as one of the messages of `protocol` (a union of tagged structs, e.g.
         tcp/wire.py's `Frame`); ProtocolError when it is longer than `limit` or undecodable."""
-        await self._recv_exact(len(self._prefix), lambda: memoryview(self._prefix))
+        await self._recv_plain(len(self._prefix), lambda: memoryview(self._prefix))
         body = bytearray(frame_length(self._prefix, limit))
-        await self._recv_exact(len(body), lambda: memoryview(body))
+        await self._recv_plain(len(body), lambda: memoryview(body))
         return decode_frame(body, protocol)
 
-    async def recv_raw(self, nbytes: int) -> bytes:
-        """Exactly `nbytes` bytes (the handshake before any frame)."""
+    async def recv_bytes(self, nbytes: int) -> bytes:
+        """Exactly `nbytes` bytes of the sealed stream."""
         buffer = bytearray(nbytes)
-        await self._recv_exact(nbytes, lambda: memoryview(buffer))
+        await self._recv_plain(nbytes, lambda: memoryview(buffer))
+        return bytes(buffer)
+
+    async def recv_clear(self, nbytes: int) -> bytes:
+        """Exactly `nbytes` bytes as they are: the handshake, before `seal`."""
+        if self.sealed:
+            raise RuntimeError("the channel is sealed: nothing more travels in clear")
+        buffer = bytearray(nbytes)
+        await self._recv_wire(memoryview(buffer))
         return bytes(buffer)
 
     async def recv_page(self, nbytes: int, target: Callable[[], memoryview | None]) -> None:
-        """Read `nbytes` into `target()` (asked again before every read; a view of exactly
-        `nbytes`), or into scratch, discarded, whenever it returns None."""
-        await self._recv_exact(nbytes, target)
+        """Read `nbytes` of the sealed stream into `target()` (asked again before every copy into
+        it; a view of exactly `nbytes`), or drop them whenever it returns None."""
+        await self._recv_plain(nbytes, target)
 
-    async def _recv_exact(self, nbytes: int, target: Callable[[], memoryview | None]) -> None:
+    async def _recv_plain(self, nbytes: int, target: Callable[[], memoryview | None]) -> None:
+        """`nbytes` of plaintext, opened record by record, copied into `target()` (or dropped)."""
         got = 0
         while got < nbytes:
-            dst = target()
-            view = dst[got:nbytes] if dst is not None else self._scratch[:min(nbytes - got, len(self._scratch))]
+            if self._plain_at == self._plain_end:
+                await self._open_record()
+            n = min(nbytes - got, self._plain_end - self._plain_at)
+            if (dst := target()) is not None:
+                dst[got:got + n] = self._plain[self._plain_at:self._plain_at + n]
+            self._plain_at += n
+            got += n
+
+    async def _open_record(self) -> None:
+        _, opener = self._sealed()
+        header = self._wire_in[:HEADER_BYTES]
+        await self._recv_wire(header)
+        body = self._wire_in[HEADER_BYTES:HEADER_BYTES + opener.body_nbytes(header)]
+        await self._recv_wire(body)
+        try:
+            self._plain_end = opener.open_into(header, body, self._plain)
+        except SealBroken as e:
+            log.warning("connection with %s: %s (altered, injected, replayed, reordered or dropped on the way); "
+                        "closing it", self.peer, e)
+            self.close()
+            raise
+        self._plain_at = 0
+
+    async def _recv_wire(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
             try:
-                k = self.sock.recv_into(view)
+                k = self.sock.recv_into(view[got:])
             except (BlockingIOError, InterruptedError):
                 await anyio.wait_readable(self.sock)
                 continue
@@ -172,6 +246,15 @@ async def connect(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def peer_name(sock: socket.socket) -> str:
+    """"host:port" of the socket's peer, for log lines ("an unknown peer" once it is gone)."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except (OSError, ValueError):
+        return "an unknown peer"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -22,6 +22,7 @@ from kvfence.transports.wire.channel import Channel, accept_forever, connect, li
 from kvfence.transports.wire.framing import ProtocolError
 from kvfence.transports.wire.handshake import authenticate_as_connector, authenticate_as_listener
 from kvfence.transports.wire.keepalive import keep_alive
+from kvfence.transports.wire.pending import DEFAULT_MAX_UNAUTHENTICATED, Unauthenticated
 from kvfence.transports.wire.messages import Hello, HelloReply
 
 log = logging.getLogger(__name__)
@@ -37,14 +38,16 @@ class ListeningEndpoint(Endpoint):
 
     `handshake_timeout_s`: the authentication and the pairing exchange of a connection, together,
     or it is closed. `keepalive_s`: a paired connection on which nothing arrives for this long is
-    closed (keepalive.py). `max_connections`: accepted connections open at once; one more is
-    closed on arrival."""
+    closed (keepalive.py). `max_connections`: authenticated connections open at once; one more is
+    closed after its handshake. `max_unauthenticated`: connections not yet authenticated, counted
+    apart (pending.py): one more closes the oldest of them."""
 
     _messages: ClassVar[Any]
     _max_hello_bytes: ClassVar[int]
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout_s: float = 10.0,
-                 keepalive_s: float = 30.0, max_connections: int = 64, **kwargs: Any) -> None:
+                 keepalive_s: float = 30.0, max_connections: int = 64,
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         for what, value in (("handshake_timeout_s", handshake_timeout_s), ("keepalive_s", keepalive_s),
                             ("max_connections", max_connections)):
@@ -56,7 +59,9 @@ class ListeningEndpoint(Endpoint):
         self.max_connections = max_connections
         self.refused_peers = 0  # connections closed because they did not authenticate
         self._listener: socket.socket | None = None
-        self._open_connections = 0
+        self._open_connections = 0  # authenticated ones (those in `_counted`)
+        self._counted: set[Channel] = set()
+        self._unauthenticated = Unauthenticated(f"{self.name} endpoint", max_unauthenticated)
         self._tg: TaskGroup | None = None
         self._stopped = anyio.Event()
 
@@ -78,9 +83,11 @@ class ListeningEndpoint(Endpoint):
                 and not self._closed and not self._stopped.is_set())
 
     def _close_listener(self) -> None:
+        """Close the listening socket and every accepted connection still unauthenticated."""
         if self._listener is not None and self._listener.fileno() != -1:
             anyio.notify_closing(self._listener)
             self._listener.close()
+        self._unauthenticated.close_all()
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None and self._tg is not None
@@ -89,22 +96,23 @@ class ListeningEndpoint(Endpoint):
     # -- accepted connections ----------------------------------------------------------------
     def _on_accept(self, sock: socket.socket) -> None:
         """Serve an accepted socket with `_serve_connection` (which answers the pairing first,
-        see `_answer_hello`), or close it at once when `max_connections` are open."""
-        if self._tg is None or self._open_connections >= self.max_connections:
-            log.warning("%s endpoint %s: %d connections open (the cap): closing a new one from %s", self.name,
-                        self._info.address if self._info else "?", self._open_connections, _peer_name(sock))
-            sock.close()
+        see `_answer_hello`), counted as unauthenticated until its handshake passed."""
+        channel = Channel(sock)
+        if self._tg is None:
+            channel.close()
             return
-        self._open_connections += 1
-        self._tg.start_soon(self._serve_accepted, Channel(sock))
+        self._unauthenticated.admit(channel)
+        self._tg.start_soon(self._serve_accepted, channel)
 
     async def _serve_accepted(self, channel: Channel) -> None:
         try:
             await self._serve_connection(channel)
         finally:
-            self._open_connections -= 1
+            if channel in self._counted:
+                self._counted.discard(channel)
+                self._open_connections -= 1
+            self._unauthenticated.authenticated(channel)
             channel.close()
-
     async def _serve_connection(self, channel: Channel) -> None:
         raise NotImplementedError
 
@@ -114,17 +122,23 @@ class ListeningEndpoint(Endpoint):
         refuse another transport or any byte-defining record mismatch (naming the field; the
         connection then ends), else send this endpoint's info and `plane` (a one-sided
         transport's data-plane descriptor). The peer's info when paired, else None.
-        ProtocolError for anything but a Hello, TimeoutError when the handshake stalls."""
-        with anyio.fail_after(self.handshake_timeout_s):
-            if not await self._authenticate(channel):
-                return None
-            hello = await channel.recv_frame(self._messages, self._max_hello_bytes)
-            if not isinstance(hello, Hello):
-                raise ProtocolError(f"expected hello, got {type(hello).__name__}")
-            problem = pairing_problem(self.info, hello.info)
-            reply = HelloReply(problem is None, problem or "", self.info, b"" if problem else plane)
-            async with channel.send_lock:
-                await channel.send_frame(reply)
+        ProtocolError for anything but a Hello, TimeoutError (logged, naming the peer) when the
+        handshake stalls."""
+        try:
+            with anyio.fail_after(self.handshake_timeout_s):
+                if not await self._authenticate(channel):
+                    return None
+                hello = await channel.recv_frame(self._messages, self._max_hello_bytes)
+                if not isinstance(hello, Hello):
+                    raise ProtocolError(f"expected hello, got {type(hello).__name__}")
+                problem = pairing_problem(self.info, hello.info)
+                reply = HelloReply(problem is None, problem or "", self.info, b"" if problem else plane)
+                async with channel.send_lock:
+                    await channel.send_frame(reply)
+        except TimeoutError:
+            log.warning("%s endpoint %s: connection from %s did not finish pairing within %g s; closing it",
+                        self.name, self.info.address, channel.peer, self.handshake_timeout_s)
+            raise
         return None if problem else hello.info
 
     async def _authenticate(self, channel: Channel) -> bool:
@@ -135,14 +149,21 @@ class ListeningEndpoint(Endpoint):
         except AuthenticationFailed as e:
             self.refused_peers += 1
             log.warning("%s endpoint %s: refused a connection from %s: %s", self.name, self.info.address,
-                        _peer_name(channel.sock), e)
+                        channel.peer, e)
             return False
+        self._unauthenticated.authenticated(channel)
+        if self._open_connections >= self.max_connections:
+            log.warning("%s endpoint %s: %d authenticated connections open (the cap): closing a new one from %s",
+                        self.name, self.info.address, self._open_connections, channel.peer)
+            return False
+        self._open_connections += 1
+        self._counted.add(channel)
         return True
 
     def _keep_alive(self, channel: Channel, ping: Callable[[], Awaitable[None]], what: str) -> None:
         """Run the keep-alive of a paired connection in the endpoint's task group."""
         if self._tg is not None:
-            self._tg.start_soon(keep_alive, channel, ping, self.keepalive_s, f"{self.name} {what}")
+            self._tg.start_soon(keep_alive, channel, ping, self.keepalive_s, f"{self.name} {what} ({channel.peer})")
 
     # -- dialing -------------------------------------------------------------------------------
     async def _dial(self, peer: EndpointInfo) -> tuple[Channel, HelloReply]:
@@ -163,6 +184,11 @@ class ListeningEndpoint(Endpoint):
                 async with channel.send_lock:
                     await channel.send_frame(Hello(self.info))
                 reply = self._check_hello_reply(peer, await channel.recv_frame(self._messages, self._max_hello_bytes))
+        except TimeoutError:
+            log.warning("%s endpoint %s: pairing with %s did not finish within %g s; closing the connection",
+                        self.name, self.info.address, channel.peer, self.handshake_timeout_s)
+            channel.close()
+            raise
         except BaseException:
             channel.close()
             raise
@@ -204,10 +230,3 @@ class ListeningEndpoint(Endpoint):
             self._stop_serving()
             self._stopped.set()
 
-
-def _peer_name(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-    except (OSError, ValueError):
-        return "an unknown peer"
-    return f"{host}:{port}"
