@@ -25,7 +25,7 @@ import torch
 
 from kvfence.app.config import ServeConfig
 from kvfence.app.discovery import Discovery, parse_discovery
-from kvfence.app.membership import Registration, find_workers, watch_workers
+from kvfence.app.membership import TTL_S, Registration, find_workers, watch_workers
 from kvfence.app.server import model_identity, serve_http
 from kvfence.app.sizing import configured_context
 from kvfence.engine.checkpoint import Checkpoint
@@ -43,6 +43,7 @@ from kvfence.transports.core.secret import AuthenticationFailed, DeploymentSecre
 log = logging.getLogger(__name__)
 
 CONNECT_WAIT_S = 120.0  # how long a worker that is not listening yet (still loading) is waited for
+LEAVE_GRACE_S = 2 * TTL_S  # a connected worker's registration may be gone this long before it is dropped
 
 
 class WorkerSetError(ValueError):
@@ -158,7 +159,8 @@ class Fleet:
         """The worker at `address` left membership: its connection is closed (so it is lost)."""
         worker = self.workers.get(address)
         if worker is not None:
-            log.warning("the %s worker at %s is no longer registered: its connection is closed", worker.role, address)
+            log.warning("the %s worker at %s has not been registered for %g s: its connection is closed", worker.role,
+                        address, LEAVE_GRACE_S)
             worker.close()
 
     async def _pair(self, prefill: RemoteWorker, decode: RemoteWorker) -> None:
@@ -235,10 +237,14 @@ async def _initial_addresses(discovery: Discovery, secret: DeploymentSecret) -> 
 
 
 async def _follow_etcd(fleet: Fleet, host: str, port: int, secret: DeploymentSecret) -> None:
-    """Keep the fleet to what etcd lists: a new registration joins, one that expired or was revoked
-    leaves (its worker is lost)."""
+    """Keep the fleet to what etcd lists: a new registration joins; a worker whose registration
+    stays gone for LEAVE_GRACE_S leaves (it is lost). The grace is for a worker that lives: its
+    lease may expire while etcd or the network is away, or someone may delete its key, and it puts
+    the key back within a third of the TTL; a worker that died or stopped is lost by its
+    connection or the keep-alive long before."""
     changed = anyio.Event()
     listed: list[Registration] = []
+    missing_since: dict[str, float] = {}
 
     def on_change(registrations: list[Registration]) -> None:
         nonlocal listed
@@ -250,9 +256,13 @@ async def _follow_etcd(fleet: Fleet, host: str, port: int, secret: DeploymentSec
         while True:
             await changed.wait()
             changed = anyio.Event()
-            addresses = {r.control for r in listed}
+            addresses, now = {r.control for r in listed}, time.monotonic()
+            for address in [a for a in missing_since if a in addresses or a not in fleet.workers]:
+                del missing_since[address]
             for address in [a for a in fleet.workers if a not in addresses]:
-                fleet.leave(address)
+                if now - missing_since.setdefault(address, now) >= LEAVE_GRACE_S:
+                    del missing_since[address]
+                    fleet.leave(address)
             for address in addresses - fleet.workers.keys():
                 fleet.tg.start_soon(fleet.join, address, 10.0)
 

@@ -158,8 +158,8 @@ def test_a_silent_partition_of_the_decode_host(deployment: Deployment, reference
         for s in running:
             s.join(60)
             assert not s.is_alive() and s.error is not None and "lost" in str(s.error), s.error
-        log = silenced(deployment, mark)
-        assert all(f"the worker at {w.control} is gone: nothing heard from it" in log for w in decode), log
+        until(lambda: all(f"the worker at {w.control} is gone: nothing heard from it" in silenced(deployment, mark)
+                          for w in decode), 4 * WORKER_TIMEOUT_S, "both decode workers lost by the keep-alive")
         at_baseline(deployment.front)
     finally:
         deployment.hosts.control_link("decode", up=True)
