@@ -40,9 +40,10 @@ What this machine showed (CPU only, loopback, no UCX_* variables needed):
     finished). So where the host has no RDMA device, `open` tells UCX not to load that module
     (`UCX_MODULES=^ib`, unless the operator set UCX_MODULES): it could find nothing to use anyway.
   - UCX's tcp transport listens on ports of its own, beside the authenticated pairing, on every
-    interface it may use (here: loopback and the host's external address). The agent metadata a
-    write is aimed with (worker address, remote keys) travels only inside the authenticated
-    pairing; whether UCX would take a forged write without it is not established here. So `open`
+    interface it may use (here: loopback and the host's external address), and authenticates no
+    peer: a process holding the agent metadata, which never paired, writes and reads the pool
+    through it (tests/transports/test_ucx_stranger.py). The metadata (worker address, remote keys)
+    travels only inside the sealed pairing; whether it can be forged without it is not established. So `open`
     keeps UCX to the interface of the endpoint's host (UCX_NET_DEVICES while the agent is
     created, unless the operator set it), as every other socket of the endpoint is.
   - Importing nixl configures a "nixl" logger that prints INFO lines to stdout (NIXL_LOG_LEVEL
