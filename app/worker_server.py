@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from collections.abc import Callable
 
 import anyio
@@ -46,6 +45,7 @@ from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused,
 from kvfence.transports.core.secret import AuthenticationFailed, DeploymentSecret
 from kvfence.transports.wire.channel import Channel, ConnectionGone, accept_forever
 from kvfence.transports.wire.handshake import authenticate_as_listener
+from kvfence.transports.wire.keepalive import keep_alive
 from kvfence.transports.wire.pending import Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -194,17 +194,11 @@ class WorkerServer:
                 body = Failure(f"{type(e).__name__}: {e}")
             await answer(call.call_id, body)
 
-        async def watch_silence() -> None:  # the scheduler pings well within this bound
-            while not channel.closed:
-                await anyio.sleep(SCHEDULER_SILENCE_S / 8)
-                if (silent_s := time.monotonic() - channel.last_recv_s) > SCHEDULER_SILENCE_S:
-                    log.warning("%s worker: nothing heard from the scheduler at %s for %.0f s: dropping it",
-                                self.worker.role, channel.peer, silent_s)
-                    channel.close()
-
         async with steps_in, steps_out, anyio.create_task_group() as tg:
             tg.start_soon(run_steps)
-            tg.start_soon(watch_silence)
+            # the scheduler pings well within the bound; the worker only answers, so its ping is no message
+            tg.start_soon(keep_alive, channel, _answers_only, SCHEDULER_SILENCE_S,
+                          f"{self.worker.role} worker's control connection from the scheduler at {channel.peer}")
             try:
                 while True:
                     call = await _recv_call(channel)
@@ -304,3 +298,6 @@ async def _recv_call(channel: Channel) -> Call:
     except Exception as e:
         raise ValueError(f"undecodable control frame: {e}") from e
 
+
+async def _answers_only() -> None:
+    """The worker's keep-alive sends nothing of its own: the protocol is the scheduler's calls."""

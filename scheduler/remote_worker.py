@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import select
 import time
 
 import anyio
@@ -179,18 +178,10 @@ class RemoteWorker:
         while not self.lost.is_set():
             await anyio.sleep(interval_s)
             now = time.monotonic()
-            if (silent_s := now - self.channel.last_recv_s) > self.timeout_s and not self._unread():
+            if (silent_s := now - self.channel.last_recv_s) > self.timeout_s and not self.channel.has_unread():
                 self._gone(f"nothing heard from it for {silent_s:.1f} s (worker timeout {self.timeout_s:g} s)")
             elif not pinging and min(silent_s, now - self.channel.last_send_s) >= interval_s / 2:
                 tg.start_soon(ping)
-
-    def _unread(self) -> bool:
-        """Bytes from the worker wait in the socket (this process, not the worker, was too busy
-        to read them): it is not silent."""
-        try:
-            return bool(select.select([self.channel.sock], [], [], 0)[0])
-        except (OSError, ValueError):  # closed meanwhile
-            return False
 
     def _gone(self, why: str | None) -> None:
         """The connection is gone (`why`: logged; None: closed on purpose); every waiting call fails."""

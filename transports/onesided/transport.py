@@ -52,15 +52,15 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, Transfer
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.data_plane import DataPlane, WriteState
 from kvfence.transports.onesided.link import Link
-from kvfence.transports.wire.redial import Redial
 from kvfence.transports.onesided.receive import ReceiverHalf
 from kvfence.transports.onesided.send import SenderHalf
 from kvfence.transports.onesided.wire import MAX_HELLO, Message
 from kvfence.transports.wire.channel import Channel, ConnectionGone
 from kvfence.transports.wire.framing import ProtocolError
 from kvfence.transports.wire.listening import ListeningEndpoint
-from kvfence.transports.wire.pending import DEFAULT_MAX_UNAUTHENTICATED
 from kvfence.transports.wire.messages import Ping
+from kvfence.transports.wire.pending import DEFAULT_MAX_UNAUTHENTICATED
+from kvfence.transports.wire.redial import Redial
 
 log = logging.getLogger(__name__)
 LINGER_POLL_S = 0.01  # how often a plane is progressed for pushes that ended unproven only

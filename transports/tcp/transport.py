@@ -35,9 +35,9 @@ from kvfence.transports.tcp.send import SenderConnection
 from kvfence.transports.tcp.wire import MAX_HELLO, Frame
 from kvfence.transports.wire.channel import Channel
 from kvfence.transports.wire.listening import ListeningEndpoint
+from kvfence.transports.wire.messages import Ping
 from kvfence.transports.wire.pending import DEFAULT_MAX_UNAUTHENTICATED
 from kvfence.transports.wire.redial import Redial
-from kvfence.transports.wire.messages import Ping
 
 
 class TcpPeer(Peer):

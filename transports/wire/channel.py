@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -211,6 +212,14 @@ class Channel:
                 raise ConnectionResetError("the peer closed the connection")
             self.last_recv_s = time.monotonic()
             got += k
+
+    def has_unread(self) -> bool:
+        """Bytes from the peer wait in the socket: this process, not the peer, was too busy to read
+        them, so the peer is not silent (a keep-alive asks before it gives up on it)."""
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed meanwhile
+            return False
 
     # -- closing ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -29,7 +29,7 @@ async def keep_alive(channel: Channel, ping: Callable[[], Awaitable[None]], time
         if channel.closed:
             return
         now = time.monotonic()
-        if now - channel.last_recv_s > timeout_s:
+        if now - channel.last_recv_s > timeout_s and not channel.has_unread():
             log.warning("%s silent for %.1f s (keep-alive bound %g s): closing it", what,
                         now - channel.last_recv_s, timeout_s)
             channel.close()

@@ -22,8 +22,8 @@ from kvfence.transports.wire.channel import Channel, accept_forever, connect, li
 from kvfence.transports.wire.framing import ProtocolError
 from kvfence.transports.wire.handshake import authenticate_as_connector, authenticate_as_listener
 from kvfence.transports.wire.keepalive import keep_alive
-from kvfence.transports.wire.pending import DEFAULT_MAX_UNAUTHENTICATED, Unauthenticated
 from kvfence.transports.wire.messages import Hello, HelloReply
+from kvfence.transports.wire.pending import DEFAULT_MAX_UNAUTHENTICATED, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,7 @@ class ListeningEndpoint(Endpoint):
         self.max_connections = max_connections
         self.refused_peers = 0  # connections closed because they did not authenticate
         self._listener: socket.socket | None = None
-        self._open_connections = 0  # authenticated ones (those in `_counted`)
-        self._counted: set[Channel] = set()
+        self._authenticated: set[Channel] = set()  # counted against `max_connections`
         self._unauthenticated = Unauthenticated(f"{self.name} endpoint", max_unauthenticated)
         self._tg: TaskGroup | None = None
         self._stopped = anyio.Event()
@@ -108,11 +107,10 @@ class ListeningEndpoint(Endpoint):
         try:
             await self._serve_connection(channel)
         finally:
-            if channel in self._counted:
-                self._counted.discard(channel)
-                self._open_connections -= 1
+            self._authenticated.discard(channel)
             self._unauthenticated.authenticated(channel)
             channel.close()
+
     async def _serve_connection(self, channel: Channel) -> None:
         raise NotImplementedError
 
@@ -152,12 +150,11 @@ class ListeningEndpoint(Endpoint):
                         channel.peer, e)
             return False
         self._unauthenticated.authenticated(channel)
-        if self._open_connections >= self.max_connections:
+        if len(self._authenticated) >= self.max_connections:
             log.warning("%s endpoint %s: %d authenticated connections open (the cap): closing a new one from %s",
-                        self.name, self.info.address, self._open_connections, channel.peer)
+                        self.name, self.info.address, len(self._authenticated), channel.peer)
             return False
-        self._open_connections += 1
-        self._counted.add(channel)
+        self._authenticated.add(channel)
         return True
 
     def _keep_alive(self, channel: Channel, ping: Callable[[], Awaitable[None]], what: str) -> None:
@@ -184,12 +181,10 @@ class ListeningEndpoint(Endpoint):
                 async with channel.send_lock:
                     await channel.send_frame(Hello(self.info))
                 reply = self._check_hello_reply(peer, await channel.recv_frame(self._messages, self._max_hello_bytes))
-        except TimeoutError:
-            log.warning("%s endpoint %s: pairing with %s did not finish within %g s; closing the connection",
-                        self.name, self.info.address, channel.peer, self.handshake_timeout_s)
-            channel.close()
-            raise
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, TimeoutError):
+                log.warning("%s endpoint %s: pairing with %s did not finish within %g s; closing the connection",
+                            self.name, self.info.address, channel.peer, self.handshake_timeout_s)
             channel.close()
             raise
         return channel, reply
