@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 PREFIX = b"/kvfence/workers/"
 TTL_S = 5  # a dead worker's key outlives it by at most this
 RELIST_S = 5.0  # a front end lists the workers at least this often, watch or not
+MAX_REFUSED_REMEMBERED = 4096  # refused values a front end remembers, so each is logged once
 ETCD_ERRORS = (aetcd.ClientError, OSError)
 
 
@@ -164,6 +165,8 @@ async def _listed(client: aetcd.Client, secret: DeploymentSecret | None, refused
             found.append(verified(kv.key, kv.value, secret))
         except ValueError as e:
             mark = hashlib.sha256(kv.key + b"\0" + kv.value).digest()
+            if len(refused) >= MAX_REFUSED_REMEMBERED:  # an etcd writer minting values: log them again
+                refused.clear()
             if mark not in refused:
                 refused.add(mark)
                 log.warning("etcd key %s is ignored, never dialled: %s", kv.key.decode(errors="replace"), e)

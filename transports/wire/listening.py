@@ -171,7 +171,8 @@ class ListeningEndpoint(Endpoint):
         prove the deployment secret, OSError when unreachable or not speaking this protocol,
         TimeoutError when the handshake stalls."""
         self._check_pairable(peer)
-        channel = Channel(await connect(*split_address(peer.address)))
+        with anyio.fail_after(self.handshake_timeout_s):  # an address that drops SYNs, too
+            channel = Channel(await connect(*split_address(peer.address)))
         try:  # ProtocolError (an undecodable reply) is a ConnectionError too
             with anyio.fail_after(self.handshake_timeout_s):
                 try:

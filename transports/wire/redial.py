@@ -4,7 +4,8 @@ A paired connection can be lost while both ends live on (a relay or a flaky link
 failed its check, a keep-alive ran out). The next push to that peer then dials it again — the
 address it was paired through, and the same incarnation, so a peer that restarted is not paired
 silently — instead of failing every later push. `Redial` keeps that from turning into a storm:
-one attempt at a time, and after a failed one none before a backoff that doubles up to a bound.
+one attempt at a time (within the handshake timeout, connecting included), and after a failed one
+none before a backoff that doubles up to a bound.
 """
 
 from __future__ import annotations
@@ -31,10 +32,18 @@ class Redial:
         self._not_before = 0.0
         self._lock = anyio.Lock()
 
+    @property
+    def backoff_s(self) -> float:
+        """How long after the last failed dial the next may start (0: no failure since a success)."""
+        return self._delay_s
+
     async def attempt(self, dial: Callable[[], Awaitable[T]]) -> T | None:
-        """`await dial()` unless a failed attempt was too recent; None when it was skipped or
-        failed (the failure is logged with when the next try may be). One attempt at a time: a
-        caller arriving meanwhile waits for it and then tries only if it is still due."""
+        """`await dial()` unless a failed attempt was too recent or one is under way; None when it
+        was skipped or failed (the failure is logged with when the next try may be). A caller
+        arriving during an attempt does not queue behind it (a peer that stalls the dial would
+        stall every push): its push fails at once, and the next one finds the peer re-paired."""
+        if self._lock.locked():
+            return None
         async with self._lock:
             if time.monotonic() < self._not_before:
                 return None
