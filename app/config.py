@@ -32,6 +32,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # The built-in transports whose endpoints listen on host:port; inprocess and plugins get only
 # the secret and their own table's options.
 LISTENING_TRANSPORTS = ("tcp", "nixl", "mooncake")
+# The one-sided transports' engines listen on ports kvfence cannot authenticate; each runs only with
+# the operator's consent (tests/transports/test_ucx_stranger.py, test_mooncake_plane.py).
+UNAUTHENTICATED_PORTS = {"nixl": "UCX, under NIXL, listens on ports of its own that authenticate no one",
+                         "mooncake": "the Mooncake engine listens on ports of its own that authenticate no one"}
+EXPOSED = {"nixl": "a worker's whole KV pool is",
+           "mooncake": "the pages of a transfer in flight (over rdma: the whole pool) are"}
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -109,6 +115,10 @@ class NixlOptions(Settings):
 
     dest_prefix: ClassVar[str] = "nixl_"
     backend: str = setting("UCX", "NIXL backend plugin of the data plane")
+    unauthenticated_ports_ok: bool = setting(
+        False, "required to use nixl: accept that UCX's own listener authenticates no one, so any process that "
+               "reaches it and knows a pool's address (a network observer sees it) reads and writes the whole "
+               "pool; only where the deployment alone reaches its hosts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +159,16 @@ class TransportConfig(Settings):
         if self.prefill_port and self.prefill_port == self.decode_port:
             raise ValueError(f"--transport-prefill-port and --transport-decode-port must differ (both endpoints "
                              f"listen in this process), got {self.prefill_port} for both")
-        if self.name == "mooncake" and not self.mooncake.unauthenticated_ports_ok:
-            raise ValueError("--transport mooncake: the Mooncake engine listens on ports of its own that "
-                             "authenticate no one, so the pages of a transfer in flight (over rdma: the whole pool) "
-                             "are reachable from any host that reaches this one (docs/architecture.md, \"The trust "
-                             "boundary of the transports\"). Use tcp or nixl, or pass "
-                             "--mooncake-unauthenticated-ports-ok where only the deployment reaches these hosts")
+        own = self.own_options()
+        if own is not None and not own.unauthenticated_ports_ok:
+            raise ValueError(f"--transport {self.name}: {UNAUTHENTICATED_PORTS[self.name]}, so {EXPOSED[self.name]} "
+                             f"reachable from any host that reaches this one (docs/architecture.md, \"The trust "
+                             f"boundary of the transports\"). Use tcp, or pass --{self.name}-unauthenticated-ports-ok "
+                             f"where only the deployment reaches these hosts")
+
+    def own_options(self) -> NixlOptions | MooncakeOptions | None:
+        """The options table of this transport, for the ones that have one."""
+        return {"nixl": self.nixl, "mooncake": self.mooncake}.get(self.name)
 
     def endpoint_options(self, role: str) -> dict[str, Any]:
         """Keyword arguments of `create_transport(self.name, secret=..., **these)` for the endpoint
@@ -163,7 +177,7 @@ class TransportConfig(Settings):
         if self.name not in LISTENING_TRANSPORTS:
             return {}
         port = self.prefill_port if role == "prefill" else self.decode_port
-        own = {"nixl": self.nixl, "mooncake": self.mooncake}.get(self.name)
+        own = self.own_options()
         options = dataclasses.asdict(own) if own is not None else {}
         options.pop("unauthenticated_ports_ok", None)  # the operator's consent, checked above: not an option
         return {"host": self.host, "port": port, **options}

@@ -130,7 +130,8 @@ class Deployment:
         secret = directory / "secret"
         secret.write_text(os.urandom(32).hex())
         secret.chmod(0o600)
-        consent = ("--mooncake-unauthenticated-ports-ok",) if transport == "mooncake" else ()  # loopback, netns
+        # loopback, netns: only the deployment reaches these hosts
+        consent = (f"--{transport}-unauthenticated-ports-ok",) if transport in ("nixl", "mooncake") else ()
         common = ("--model", model, "--transport", transport, *consent, "--transport-secret-file", str(secret))
         if shape == "inprocess":
             self.procs.append(kvfence("serve", *common, *POOLS, "--port", str(port), "--canary-interval", "3600",

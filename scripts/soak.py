@@ -24,7 +24,7 @@ is back (in use 0 in every pool, quarantined 0, since no injected fault here lea
 flight); and `/ready` is 200. Exit status 0 only when all hold.
 
 Usage: .venv/bin/python scripts/soak.py [--requests 200] [--concurrency 16] [--seed 1]
-           [--faults SPEC] [--url http://127.0.0.1:8000] [--server-arg=--transport=nixl ...]
+           [--faults SPEC] [--url http://127.0.0.1:8000] [--server-arg=--transport=nixl --server-arg=--nixl-unauthenticated-ports-ok ...]
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class Deployment:
 
     def add_worker(self, role: str, *extra: str) -> WorkerProcess:
         registering = ("--discovery", f"etcd://{self.hosts.here(role)}:{self.etcd.port}") if self.etcd else ()
-        consent = ("--mooncake-unauthenticated-ports-ok",) if self.transport == "mooncake" else ()
+        consent = (f"--{self.transport}-unauthenticated-ports-ok",) if self.transport in ("nixl", "mooncake") else ()
         w = WorkerProcess(self.model, role, "--transport", self.transport, *consent, "--transport-secret-file",
                           str(self.secret), "--transport-host", self.hosts.kv[role], *POOLS, *registering, *extra,
                           log_path=self.directory / f"{role}{len(self.workers)}.log", host=self.hosts.host(role),

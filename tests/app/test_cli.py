@@ -61,12 +61,14 @@ def test_bad_input_is_a_clear_error(args: tuple[str, ...], message: str, default
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
 @pytest.mark.parametrize("command", [("serve",), ("worker", "--role", "decode", "--control", "127.0.0.1:9")])
-def test_mooncake_without_the_operators_consent_is_refused_before_anything_starts(command: tuple[str, ...]) -> None:
+def test_a_one_sided_transport_without_the_operators_consent_is_refused_before_anything_starts(
+        command: tuple[str, ...], transport: str) -> None:
     """Its engine's own ports authenticate no one: the refusal says so, and what to do instead."""
-    proc = kvfence(*command, "--transport", "mooncake")
+    proc = kvfence(*command, "--transport", transport)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "authenticate no one" in proc.stderr and "--mooncake-unauthenticated-ports-ok" in proc.stderr
+    assert "authenticate no one" in proc.stderr and f"--{transport}-unauthenticated-ports-ok" in proc.stderr
 
 
 def test_fetch_failure_names_the_step(tmp_path: Path) -> None:

@@ -87,12 +87,18 @@ def test_transport_endpoint_options() -> None:
     assert c.transport.endpoint_options("prefill") == {"host": "10.0.0.2", "port": 0, "protocol": "rdma",
                                                        "device_name": "mlx5_0"}  # the consent is not an option
     assert c.transport.endpoint_options("decode")["port"] == 7001
-    nixl = load_config({"transport": "nixl", "nixl_backend": "GDS"}, {}, None).transport
+    nixl = load_config({"transport": "nixl", "nixl_backend": "GDS", "nixl_unauthenticated_ports_ok": True}, {},
+                       None).transport
     assert nixl.endpoint_options("decode") == {"host": "127.0.0.1", "port": 0, "backend": "GDS"}
     assert load_config({"transport": "inprocess"}, {}, None).transport.endpoint_options("decode") == {}
-    # Mooncake's own ports authenticate no one: it runs only with the operator's consent, however given
-    with pytest.raises(ValueError, match="--transport mooncake: .* authenticate no one.*--mooncake-unauthenticated-ports-ok"):
+    # Mooncake's own ports, and UCX's under NIXL, authenticate no one: each runs only with the operator's
+    # consent, however given
+    with pytest.raises(ValueError,
+                       match="--transport mooncake: .* authenticate no one.*--mooncake-unauthenticated-ports-ok"):
         load_config({"transport": "mooncake"}, {}, None)
+    with pytest.raises(ValueError, match="--transport nixl: UCX.* authenticate no one, so a worker's whole KV pool "
+                                         "is reachable.*--nixl-unauthenticated-ports-ok"):
+        load_config({"transport": "nixl", "mooncake_unauthenticated_ports_ok": True}, {}, None)
     assert load_config({}, {"KVFENCE_TRANSPORT": "mooncake", "KVFENCE_MOONCAKE_UNAUTHENTICATED_PORTS_OK": "1"},
                        None).transport.mooncake.unauthenticated_ports_ok
     with pytest.raises(ValueError, match="--mooncake-protocol must be 'tcp' or 'rdma'"):

@@ -35,7 +35,7 @@ COMMON = ("--canary-interval", "3600", "--max-context", "2048", "--prefill-num-p
 
 # Disaggregated over every transport (each passes the same references, equivalence and page
 # baselines), and colocated, the baseline the disaggregated outputs must equal. Mooncake on loopback only.
-MODES = {"tcp": ("--transport", "tcp"), "nixl": ("--transport", "nixl"), "colocated": ("--disaggregation", "off"),
+MODES = {"tcp": ("--transport", "tcp"), "nixl": ("--transport", "nixl", "--nixl-unauthenticated-ports-ok"), "colocated": ("--disaggregation", "off"),
          "mooncake": ("--transport", "mooncake", "--mooncake-unauthenticated-ports-ok")}
 
 

@@ -1,11 +1,15 @@
-"""UCX's own listener under NIXL, established (issue 28, item 4, first half): a worker's NIXL plane
-(UCX kept to tcp, as between hosts without RDMA) and a stranger process with its own NIXL agent
-that never took part in kvfence's pairing but holds the worker's agent metadata. The stranger's
-WRITE lands in the pool and its READ returns the pool's bytes: UCX authenticates no peer, and the
-agent metadata (worker address, pool address, remote keys) is the only key. That is why it travels
-only inside the sealed pairing (tests/transports/test_sealed_relay.py) and why the plane keeps
-UCX's listener to the endpoint's interface. Whether a stranger can forge that metadata without
-it is the second half, not built yet."""
+"""UCX's own listener under NIXL, established: a worker's NIXL plane (UCX kept to tcp, as between
+hosts without RDMA) and a stranger process with its own NIXL agent that never took part in
+kvfence's pairing. Holding the worker's agent metadata, the stranger's WRITE lands in the pool and
+its READ returns the pool's bytes: UCX authenticates no peer. Nor is the metadata a key: with the
+worker's 64-bit id replaced by random bytes and the agent's name by another, the WRITE and the READ
+land all the same, so what they need is the listener's address (a port scan finds it) and an
+address inside the pool (UCX's own traffic carries it in clear, for any observer of the network).
+Sealing the pairing cannot close that, and UCX's settings do not either: with tcp's zero-copy PUT
+turned off (`UCX_TCP_PUT_ENABLE=n`, both sides) UCX emulates PUT and GET in software and they land
+as before. The outcome, enforced:
+`--transport nixl` runs only with the operator's consent, as mooncake does
+(`tests/app/test_config.py::test_transport_endpoint_options`, `tests/app/test_cli.py`)."""
 
 from __future__ import annotations
 
@@ -47,7 +51,12 @@ agent = nixl_agent(f"stranger-{os.getpid()}", nixl_agent_config(enable_prog_thre
                                                                  backends=["UCX"]))
 buf = torch.full((2, 1024), 7.0)
 agent.register_memory(buf)
-peer = agent.add_remote_agent(victim.metadata)
+metadata = bytearray(victim.metadata)
+if sys.argv[2] == "forged":  # not the victim's: the worker id (UCX's address, first 8 bytes), the agent's name
+    at = metadata.index(b"|c0") + 3 + 8  # the UCX backend's connection blob, after its 8-byte length
+    metadata[at:at + 8] = os.urandom(8)
+    metadata = bytearray(bytes(metadata).replace(victim.agent.encode(), b"x" * len(victim.agent)))
+peer = agent.add_remote_agent(bytes(metadata))
 for op, local, remote in (("WRITE", 0, 0), ("READ", 1, 1)):
     src = agent.get_xfer_descs(np.array([[buf[local].data_ptr(), 4096, 0]], dtype=np.uint64), "DRAM")
     dst = agent.get_xfer_descs(np.array([[victim.base_address + 4096 * remote, 4096, 0]], dtype=np.uint64), "DRAM")
@@ -60,8 +69,11 @@ for op, local, remote in (("WRITE", 0, 0), ("READ", 1, 1)):
 """
 
 
-def test_a_stranger_holding_the_agent_metadata_writes_and_reads_the_pool(tmp_path: Path) -> None:
-    env = {**os.environ, "UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN"}  # no shared memory, no cma: UCX's tcp listener
+@pytest.mark.parametrize("metadata, ucx", [("held", {}), ("forged", {}), ("forged", {"UCX_TCP_PUT_ENABLE": "n"})])
+def test_a_stranger_writes_and_reads_the_pool_through_ucxs_own_listener(tmp_path: Path, metadata: str,
+                                                                          ucx: dict[str, str]) -> None:
+    # no shared memory, no cma: UCX's tcp listener
+    env = {**os.environ, "UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", **ucx}
     descriptor = tmp_path / "victim.descriptor"
     victim = subprocess.Popen([sys.executable, "-c", VICTIM, str(descriptor)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
@@ -70,8 +82,8 @@ def test_a_stranger_holding_the_agent_metadata_writes_and_reads_the_pool(tmp_pat
         while not (descriptor.exists() and descriptor.stat().st_size) and victim.poll() is None:
             assert time.monotonic() < deadline, "the worker's plane did not open"
             time.sleep(0.05)
-        stranger = subprocess.run([sys.executable, "-c", STRANGER, str(descriptor)], env=env, capture_output=True,
-                                  text=True, timeout=120)
+        stranger = subprocess.run([sys.executable, "-c", STRANGER, str(descriptor), metadata], env=env,
+                                  capture_output=True, text=True, timeout=120)
         assert stranger.returncode == 0, stranger.stderr[-2000:]
         out, err = victim.communicate(timeout=90)
     finally:
