@@ -58,6 +58,11 @@ def _build_parser() -> argparse.ArgumentParser:
                                                           "in etcd (default: --control)")
     add_flags(worker, ServeConfig)
 
+    front = sub.add_parser("front-key", help="make the front end's signing key and its public half: front ends "
+                                             "serve with --front-key-file, workers with --front-public-key-file")
+    front.add_argument("--key", type=Path, default=Path("front.key"), help="where the private key goes (mode 600)")
+    front.add_argument("--public", type=Path, default=Path("front.pub"), help="where the public key goes")
+
     sub.add_parser("config-reference", help="print every setting (TOML key, flag, variable, default) as markdown")
     key = sub.add_parser("api-key", help="print a fresh API key for a tenant and the --api-keys entry that holds "
                                          "its digest (the key itself is shown once, never stored)")
@@ -154,6 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import checkpoint_cache, pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
+    from kvfence.transports.core.front_key import FrontKey
     from kvfence.transports.core.secret import DeploymentSecret
 
     # Before any torch op here: only the devices' compute threads get intra-op threads (engine/compute.py).
@@ -163,6 +169,8 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.transport.secret_file:  # an unreadable or short secret fails before any weight is read
         DeploymentSecret.from_file(config.transport.secret_file)
+    if config.transport.front_key_file:  # so does a bad front key
+        FrontKey.from_file(config.transport.front_key_file)
     ApiKeys.load(config.server.api_keys)  # so does a bad keys file
     path = resolve_model(config.model, kvfence_home())
     # Refuse an undersized pool before reading any weights (build_workers checks again).
@@ -195,6 +203,7 @@ def _worker(args: argparse.Namespace) -> int:
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import checkpoint_cache, pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
+    from kvfence.transports.core.front_key import FrontPublicKey
     from kvfence.transports.core.secret import DeploymentSecret
     from kvfence.transports.wire.channel import split_address
 
@@ -205,6 +214,7 @@ def _worker(args: argparse.Namespace) -> int:
     check_worker_settings(config, args.role)
     split_address(args.control)
     DeploymentSecret.from_file(config.transport.secret_file)  # type: ignore[arg-type]
+    FrontPublicKey.from_file(config.transport.front_public_key_file)  # type: ignore[arg-type]
     path = resolve_model(config.model, kvfence_home())
     model = _read_model_config(path)  # an undersized pool fails before any weight is read
     resolve_context(config, model, plan_pools(config, model, pick_dtype(config.workers.dtype,
@@ -322,6 +332,25 @@ def _status(args: argparse.Namespace) -> int:
                   secret)
 
 
+def _front_key(args: argparse.Namespace) -> int:
+    """Write a fresh key pair; refuses to overwrite either file."""
+    import os
+
+    from kvfence.transports.core.front_key import FrontKey
+
+    for path in (args.key, args.public):
+        if path.exists():
+            raise ValueError(f"{path} exists; remove it or choose another path (a front key is never overwritten)")
+    key = FrontKey.generate()
+    fd = os.open(args.key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.pem())
+    args.public.write_bytes(key.public.pem())
+    print(f"front end key {args.key} (for --front-key-file, front ends only) and its public half {args.public} "
+          f"(for --front-public-key-file, every worker); fingerprint {key.public.fingerprint}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from kvfence.engine.checkpoint import CheckpointError
@@ -338,6 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check(args)
         if args.command == "config-reference":
             return _config_reference()
+        if args.command == "front-key":
+            return _front_key(args)
         if args.command == "api-key":
             return _api_key(args)
         if args.command == "probe":

@@ -148,6 +148,14 @@ class TransportConfig(Settings):
     secret_file: str | None = setting(None, "file holding the deployment secret the transport endpoints "
                                             "authenticate each other with (at least 32 bytes); default: a fresh "
                                             "secret per process, enough when both workers live in it")
+    front_key_file: str | None = setting(None, "file holding the front end's private signing key (PEM, made with "
+                                               "`kvfence front-key`): it signs every push's capability and every "
+                                               "control connection to a worker; default: a fresh key per process, "
+                                               "enough when both workers live in it", dest="front_key_file")
+    front_public_key_file: str | None = setting(None, "a worker's: file holding the front end's public key (PEM, "
+                                                      "made with `kvfence front-key`), which every capability and "
+                                                      "every front end's control connection must verify against",
+                                                dest="front_public_key_file")
     fault_inject: str = setting("", "testing only: inject transfer faults on the sending side, e.g. "
                                     "'corrupt#3,delay=0.2@0.1'", dest="fault_inject", check=FaultPlan.parse,
                                 env_aliases=("KVFENCE_FAULTS",))

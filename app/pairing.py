@@ -22,6 +22,7 @@ from kvfence.engine.ids import id_hex, mint_id
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.scheduler.prefix_cache import BLOCK_HASH_SCHEME
 from kvfence.transports.base import PairingRecord, PairingRefused, Peer, Transport
+from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.faults import FaultInjectingTransport, FaultPlan
 from kvfence.transports.registry import create_transport
@@ -50,18 +51,21 @@ class PairedWorkers:
 
 
 async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, PairingRecord],
-                       decode: tuple[KVPool, PairingRecord], secret: DeploymentSecret, fault_inject: str = "",
+                       decode: tuple[KVPool, PairingRecord], secret: DeploymentSecret, front_key: FrontKey,
+                       fault_inject: str = "",
                        options: Mapping[str, Any] | None = None, *,
                        role_options: Mapping[str, Mapping[str, Any]] | None = None) -> PairedWorkers:
-    """Start a `transport` endpoint per role (constructed with the deployment `secret`, `options`
+    """Start a `transport` endpoint per role (constructed with the deployment `secret`, the public
+    half of `front_key`, which signs every push's capability, `options`
     and that role's `role_options["prefill"|"decode"]`, e.g. where it listens) over its pool and
     pair prefill -> decode; `fault_inject` (a FaultPlan spec) wraps the sending side.
 
     Raises PairingRefused (after logging it and closing both endpoints) when the records disagree."""
     (prefill_pool, prefill_record), (decode_pool, decode_record) = prefill, decode
     own = role_options or {}
-    sender = create_transport(transport, secret=secret, **(options or {}), **own.get("prefill", {}))
-    receiver = create_transport(transport, secret=secret, **(options or {}), **own.get("decode", {}))
+    credentials = {"secret": secret, "front_key": front_key.public}
+    sender = create_transport(transport, **credentials, **(options or {}), **own.get("prefill", {}))
+    receiver = create_transport(transport, **credentials, **(options or {}), **own.get("decode", {}))
     endpoints = [sender, receiver]
     if fault_inject:
         log.warning("FAULT INJECTION is on for KV transfers: %s", fault_inject)
@@ -78,7 +82,7 @@ async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, Pai
         raise
     context = min(prefill_record.max_context_tokens, peer.info.record.max_context_tokens)
     link = TransferLink.local(sender, receiver, peer, prefill_record.page_size_tokens, prefill_record.page_nbytes,
-                              secret)
+                              front_key)
     log.info("paired prefill -> decode over %s (%s); context limits %d and %d tokens, serving %d",
              transport, receiver_info.address, prefill_record.max_context_tokens,
              peer.info.record.max_context_tokens, context)

@@ -38,6 +38,7 @@ from kvfence.engine.remote.protocol import DEFAULT_WORKER_TIMEOUT_S
 from kvfence.scheduler.remote_worker import RemoteReceivingEnd, RemoteSendingEnd, RemoteWorker
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRefused
+from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import AuthenticationFailed, DeploymentSecret
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class RemotePair:
 
 
 async def connect_when_up(tg: anyio.abc.TaskGroup, address: str, secret: DeploymentSecret,
-                          wait_s: float = CONNECT_WAIT_S, *,
+                          wait_s: float = CONNECT_WAIT_S, *, front_key: FrontKey,
                           timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> RemoteWorker:
     """Connect to the worker at `address` (`timeout_s`: its liveness bound, RemoteWorker.connect),
     retrying while nothing listens there (it may still be loading its model) for up to `wait_s`.
@@ -67,7 +68,7 @@ async def connect_when_up(tg: anyio.abc.TaskGroup, address: str, secret: Deploym
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return await RemoteWorker.connect(tg, address, secret, timeout_s=timeout_s)
+            return await RemoteWorker.connect(tg, address, secret, front_key=front_key, timeout_s=timeout_s)
         except WorkerLost as e:
             if isinstance(e.__cause__, AuthenticationFailed) or e.__cause__ is None \
                     or time.monotonic() > deadline:
@@ -94,7 +95,7 @@ def check_worker(worker: RemoteWorker, model_id: str, page_size_tokens: int) -> 
 
 
 async def pair_remote(prefill: RemoteWorker, decode: RemoteWorker, page_size_tokens: int,
-                      secret: DeploymentSecret) -> RemotePair:
+                      front_key: FrontKey) -> RemotePair:
     """Pair checked workers: `prefill`'s sender with `decode`'s receiver. PairingRefused when their
     pools disagree on the bytes (the pair is refused as a whole); WorkerLost when either goes."""
     assert prefill.description is not None and decode.description is not None
@@ -103,7 +104,7 @@ async def pair_remote(prefill: RemoteWorker, decode: RemoteWorker, page_size_tok
     record = await prefill.pair_with(endpoint)
     context = min(prefill.description.max_context_tokens, record.max_context_tokens)
     link = TransferLink(RemoteSendingEnd(prefill, endpoint.address), RemoteReceivingEnd(decode), record.incarnation,
-                        page_size_tokens, record.page_nbytes, secret)
+                        page_size_tokens, record.page_nbytes, front_key)
     log.info("paired the prefill worker at %s -> the decode worker at %s over %s (%s); context limits %d and %d "
              "tokens, serving %d", prefill.address, decode.address, endpoint.transport, endpoint.address,
              prefill.description.max_context_tokens, record.max_context_tokens, context)
@@ -118,9 +119,10 @@ class Fleet:
     stays silent for `worker_timeout_s`, is lost to the scheduler at once, and with `rejoin` its
     address is connected to again until a worker serves there (a new incarnation)."""
 
-    def __init__(self, tg: anyio.abc.TaskGroup, secret: DeploymentSecret, model_id: str, page_size_tokens: int,
-                 *, rejoin: bool, worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> None:
+    def __init__(self, tg: anyio.abc.TaskGroup, secret: DeploymentSecret, front_key: FrontKey, model_id: str,
+                 page_size_tokens: int, *, rejoin: bool, worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> None:
         self.tg, self.secret, self.model_id, self.page_size_tokens = tg, secret, model_id, page_size_tokens
+        self.front_key = front_key
         self.rejoin = rejoin
         self.worker_timeout_s = worker_timeout_s
         self.workers: dict[str, RemoteWorker] = {}
@@ -137,7 +139,8 @@ class Fleet:
         self._joining.add(address)
         try:
             try:
-                worker = await connect_when_up(self.tg, address, self.secret, wait_s, timeout_s=self.worker_timeout_s)
+                worker = await connect_when_up(self.tg, address, self.secret, wait_s, front_key=self.front_key,
+                                               timeout_s=self.worker_timeout_s)
             except WorkerLost as e:
                 log.error("cannot use the worker at %s: %s", address, e)
                 return False
@@ -165,7 +168,7 @@ class Fleet:
 
     async def _pair(self, prefill: RemoteWorker, decode: RemoteWorker) -> None:
         try:
-            pair = await pair_remote(prefill, decode, self.page_size_tokens, self.secret)
+            pair = await pair_remote(prefill, decode, self.page_size_tokens, self.front_key)
         except (PairingRefused, WorkerLost) as e:
             log.error("the pair prefill worker at %s -> decode worker at %s is refused as a whole: %s",
                       prefill.address, decode.address, e)
@@ -279,11 +282,16 @@ async def serve_remote(config: ServeConfig, checkpoint: Checkpoint, model_name: 
     if not config.transport.secret_file:
         log.error("--discovery needs the deployment secret the workers were started with: --transport-secret-file")
         return 1
+    if not config.transport.front_key_file:
+        log.error("--discovery needs the front end's key, whose public half the workers were started with: "
+                  "--front-key-file (make a pair with: kvfence front-key)")
+        return 1
     secret = DeploymentSecret.from_file(config.transport.secret_file)
+    front_key = FrontKey.from_file(config.transport.front_key_file)
     page_size = config.pools.page_size_tokens
     async with anyio.create_task_group() as tg:
-        fleet = Fleet(tg, secret, model_identity(checkpoint, model_name), page_size, rejoin=discovery.etcd is None,
-                      worker_timeout_s=config.worker_timeout_s)
+        fleet = Fleet(tg, secret, front_key, model_identity(checkpoint, model_name), page_size,
+                      rejoin=discovery.etcd is None, worker_timeout_s=config.worker_timeout_s)
         try:
             addresses = await _initial_addresses(discovery, secret)
         except TimeoutError as e:

@@ -32,6 +32,7 @@ from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.tenants import Tenant
 from kvfence.transports.base import PairingRefused, Transport
+from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,11 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
             transport = config.transport
             secret = DeploymentSecret.from_file(transport.secret_file) if transport.secret_file \
                 else DeploymentSecret.generate()  # both workers live in this process
+            front_key = FrontKey.from_file(transport.front_key_file) if transport.front_key_file \
+                else FrontKey.generate()
             try:
-                paired = await pair_workers(tg, transport.name, roles[0], roles[1], secret, transport.fault_inject,
+                paired = await pair_workers(tg, transport.name, roles[0], roles[1], secret, front_key,
+                                            transport.fault_inject,
                                             role_options={role: transport.endpoint_options(role)
                                                           for role in ("prefill", "decode")})
             except PairingRefused:

@@ -21,6 +21,7 @@ from kvfence.app.server import model_identity
 from kvfence.app.worker_server import KvEndpoint, WorkerServer
 from kvfence.app.workers import build_role_worker
 from kvfence.engine.checkpoint import Checkpoint
+from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.registry import create_transport
 from kvfence.transports.wire.channel import listen, split_address
@@ -50,6 +51,10 @@ def check_worker_settings(config: ServeConfig, role: str) -> None:
     if not config.transport.secret_file:
         raise ValueError("a worker in its own process needs the deployment secret its scheduler and peers share: "
                          "--transport-secret-file (or KVFENCE_TRANSPORT_SECRET_FILE)")
+    if not config.transport.front_public_key_file:
+        raise ValueError("a worker in its own process needs the public key of its front end, which signs every "
+                         "step and every capability: --front-public-key-file (or KVFENCE_FRONT_PUBLIC_KEY_FILE; "
+                         "make a pair with: kvfence front-key)")
 
 
 async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: str, role: str, device: str,
@@ -59,6 +64,7 @@ async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: st
     (default: `control`), and revokes that last."""
     check_worker_settings(config, role)
     secret = DeploymentSecret.from_file(config.transport.secret_file)  # type: ignore[arg-type]
+    front_key = FrontPublicKey.from_file(config.transport.front_public_key_file)  # type: ignore[arg-type]
     host, port = split_address(control)
     if advertise is None and host in ("0.0.0.0", "::"):
         raise ValueError(f"--control {control} listens on every address: say which one front ends reach it at "
@@ -70,10 +76,11 @@ async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: st
         model_id = model_identity(checkpoint, model_name)
         transport = config.transport
         endpoint = KvEndpoint(
-            lambda: create_transport(transport.name, secret=secret, **transport.endpoint_options(role)),
+            lambda: create_transport(transport.name, secret=secret, front_key=front_key,
+                                     **transport.endpoint_options(role)),
             pool.data, lambda: role_record(pool, model_id, context))
-        server = WorkerServer(worker, compute, endpoint, secret, checkpoint.tokenizer, model=model_id,
-                              max_context_tokens=context)
+        server = WorkerServer(worker, compute, endpoint, secret, checkpoint.tokenizer, front_key=front_key,
+                              model=model_id, max_context_tokens=context)
         listener = listen(host, port)
         try:
             async with anyio.create_task_group() as tg:

@@ -1,7 +1,8 @@
 """The worker's end of the control channel (engine/remote/protocol.py): one scheduler at a time.
 
 A `kvfence worker` process (app/worker_process.py) hosts one `Worker` (model, pool), its KV
-transport endpoint and this server. A connection must pass the deployment-secret handshake
+transport endpoint and this server. A connection must pass the control handshake (the deployment
+secret, and the front end's key, whose public half the worker holds: transports/wire/handshake.py)
 before a byte of it is decoded (at most DEFAULT_MAX_UNAUTHENTICATED of them wait for theirs at
 once; one more closes the oldest: transports/wire/pending.py); a scheduler that passes owns the
 worker until its connection drops or falls silent for SCHEDULER_SILENCE_S (a second one is told
@@ -42,6 +43,7 @@ from kvfence.engine.remote.protocol import (
 )
 from kvfence.engine.worker import Worker
 from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, Peer, Transport
+from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import AuthenticationFailed, DeploymentSecret
 from kvfence.transports.wire.channel import Channel, ConnectionGone, accept_forever
 from kvfence.transports.wire.handshake import authenticate_as_listener
@@ -85,12 +87,13 @@ class WorkerServer:
     `max_context_tokens`: the longest request its pool holds."""
 
     def __init__(self, worker: Worker, compute: ComputeThread, endpoint: KvEndpoint | None,
-                 secret: DeploymentSecret, tokenizer: Tokenizer, *, model: str, max_context_tokens: int) -> None:
+                 secret: DeploymentSecret, tokenizer: Tokenizer, *, front_key: FrontPublicKey, model: str,
+                 max_context_tokens: int) -> None:
         self.worker = worker
         self.tokenizer = tokenizer
         self.compute = compute
         self.endpoint = endpoint
-        self.secret = secret
+        self.secret, self.front_key = secret, front_key
         self.model = model
         self.max_context_tokens = max_context_tokens
         self.owner: str | None = None  # the address of the scheduler it serves
@@ -133,7 +136,7 @@ class WorkerServer:
         peer = channel.peer
         try:
             with anyio.fail_after(HANDSHAKE_TIMEOUT_S):
-                await authenticate_as_listener(channel, self.secret, HANDSHAKE_LABEL)
+                await authenticate_as_listener(channel, self.secret, HANDSHAKE_LABEL, front=self.front_key)
         except (AuthenticationFailed, TimeoutError, *ConnectionGone) as e:
             log.warning("control connection from %s refused: %s", peer, e or type(e).__name__)
             channel.close()

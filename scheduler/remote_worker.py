@@ -30,6 +30,7 @@ from kvfence.engine.remote.protocol import (
     Ping, Push, Reference, Tokens, Verdict, WaitQuiet, body_length, decode_answer, frame,
 )
 from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult
+from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.wire.channel import Channel, ConnectionGone, connect, split_address
 from kvfence.transports.wire.handshake import authenticate_as_connector
@@ -59,13 +60,14 @@ class RemoteWorker:
         self._waiting: dict[int, _Waiting] = {}
 
     @classmethod
-    async def connect(cls, tg: anyio.abc.TaskGroup, address: str, secret: DeploymentSecret, *,
+    async def connect(cls, tg: anyio.abc.TaskGroup, address: str, secret: DeploymentSecret, *, front_key: FrontKey,
                       handshake_timeout_s: float = 10.0,
                       timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> RemoteWorker:
-        """Connect to the worker's control address, prove the deployment secret (and check the
-        worker's proof), start reading answers and keeping it alive (`timeout_s`: see the module
-        docstring) in `tg` and ask who it is. WorkerLost when it cannot be reached, fails the
-        handshake, or refuses (it serves another scheduler)."""
+        """Connect to the worker's control address, prove the deployment secret and the front end's
+        key `front_key` (and check the worker's proof of the secret), start reading answers and
+        keeping it alive (`timeout_s`: see the module docstring) in `tg` and ask who it is.
+        WorkerLost when it cannot be reached, fails the handshake, or refuses (it serves another
+        scheduler)."""
         if not 0 < timeout_s <= MAX_WORKER_TIMEOUT_S:
             raise ValueError(f"a worker timeout is in (0, {MAX_WORKER_TIMEOUT_S:g}] s, got {timeout_s!r}")
         host, port = split_address(address)
@@ -73,7 +75,7 @@ class RemoteWorker:
             with anyio.fail_after(handshake_timeout_s):
                 channel = Channel(await connect(host, port))
                 try:
-                    await authenticate_as_connector(channel, secret, HANDSHAKE_LABEL)
+                    await authenticate_as_connector(channel, secret, HANDSHAKE_LABEL, front_key=front_key)
                 except BaseException:
                     channel.close()
                     raise

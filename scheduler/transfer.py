@@ -1,8 +1,8 @@
 """Moving one request's prompt KV from the prefill pool into its reserved decode pages.
 
-The scheduler's half of a transfer: mint the ids and the push's capability (a MAC with the
-deployment secret over the ids, the destination lease and pages and the receiver's incarnation,
-transports/core/secret.py), arm the receiver with the manifest and the destination pages the server
+The scheduler's half of a transfer: mint the ids and the push's capability (the front end's
+signature over the ids, the destination lease and pages and the receiver's incarnation,
+transports/core/front_key.py), arm the receiver with the manifest and the destination pages the server
 chose, push, and wait for the receiver's verdict. Success needs the receiver's positive verdict;
 an error, a timeout or silence is a failure.
 """
@@ -19,7 +19,7 @@ import anyio
 from kvfence.scheduler.actions import MoveResult, StartTransfer
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.transports.base import Peer, TransferManifest, TransferResult, Transport
-from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.core.front_key import FrontKey
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,11 @@ class LocalReceivingEnd:
 
 class TransferLink:
     """A paired sending and receiving end, the receiver incarnation they paired with, and the
-    deployment secret that mints each push's capability."""
+    front end's key that signs each push's capability."""
 
     def __init__(self, sender: SendingEnd, receiver: ReceivingEnd, receiver_incarnation: str, page_size_tokens: int,
-                 page_nbytes: int, secret: DeploymentSecret) -> None:
-        self.secret = secret
+                 page_nbytes: int, front_key: FrontKey) -> None:
+        self.front_key = front_key
         self.sender = sender
         self.receiver = receiver
         self.receiver_incarnation = receiver_incarnation
@@ -95,10 +95,10 @@ class TransferLink:
 
     @classmethod
     def local(cls, sender: Transport, receiver: Transport, peer: Peer, page_size_tokens: int, page_nbytes: int,
-              secret: DeploymentSecret) -> TransferLink:
+              front_key: FrontKey) -> TransferLink:
         """Both endpoints in this process; `peer`: the receiver as the sender paired with it."""
         return cls(LocalSendingEnd(sender, peer), LocalReceivingEnd(receiver), peer.info.record.incarnation,
-                   page_size_tokens, page_nbytes, secret)
+                   page_size_tokens, page_nbytes, front_key)
 
     async def move(self, plan: StartTransfer, timeout_s: float) -> MoveResult:
         """Push the plan's pages (src_pages[i] into dst_pages[i]); returns once both ends are quiet
@@ -115,7 +115,7 @@ class TransferLink:
         # the receiver incarnation the sender paired with (checked at pairing): a push planned for it
         # is refused by any later incarnation of the receiver
         manifest = msgspec.structs.replace(
-            manifest, capability=self.secret.capability(manifest, dst, self.receiver_incarnation))
+            manifest, capability=self.front_key.capability(manifest, dst, self.receiver_incarnation))
         try:
             await self.receiver.expect(manifest, dst)
         except Exception as e:  # nothing is armed: no byte can land for this transfer

@@ -47,6 +47,7 @@ from kvfence.engine.protocol import RunStep
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.worker import LocalWorkerChannel, Worker
 from kvfence.scheduler.remote_worker import RemoteWorker
+from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.registry import create_transport
 from kvfence.transports.wire.channel import listen
@@ -121,6 +122,16 @@ class Namespaces:
             subprocess.run([self.ip, "netns", "del", ns], capture_output=True)
 
 
+def write_front_key(directory: Path) -> tuple[Path, Path]:
+    """A fresh front end key pair in `directory`: (private, public), as `kvfence front-key` writes."""
+    key = FrontKey.generate()
+    private, public = directory / "front.key", directory / "front.pub"
+    private.write_bytes(key.pem())
+    private.chmod(0o600)
+    public.write_bytes(key.public.pem())
+    return private, public
+
+
 class Deployment:
     def __init__(self, shape: str, transport: str, model: str, directory: Path, worker_threads: int) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -130,6 +141,7 @@ class Deployment:
         secret = directory / "secret"
         secret.write_text(os.urandom(32).hex())
         secret.chmod(0o600)
+        front_key, front_public = write_front_key(directory)
         # loopback, netns: only the deployment reaches these hosts
         consent = (f"--{transport}-unauthenticated-ports-ok",) if transport in ("nixl", "mooncake") else ()
         common = ("--model", model, "--transport", transport, *consent, "--transport-secret-file", str(secret))
@@ -143,12 +155,14 @@ class Deployment:
                 control = f"{host}:{free_port()}"
                 where = ("--transport-host", self.hosts.kv[role]) if self.hosts else ()
                 self.procs.append(kvfence("worker", "--role", role, "--control", control, *common, *POOLS, *where,
+                                          "--front-public-key-file", str(front_public),
                                           log=directory / f"{role}.log", threads=worker_threads,
                                           prefix=(self.hosts.ip, "netns", "exec", self.hosts.ns[role])
                                           if self.hosts else ()))
                 controls.append(control)
             self.procs.append(kvfence("serve", "--model", model, "--discovery", "static://" + ",".join(controls),
-                                      "--transport-secret-file", str(secret), "--port", str(port),
+                                      "--transport-secret-file", str(secret), "--front-key-file", str(front_key),
+                                      "--port", str(port),
                                       "--canary-interval", "3600", log=directory / "front.log"))
         wait_for(lambda: ready(self.url), f"{shape} over {transport} ready (logs in {directory})")
 
@@ -171,12 +185,13 @@ async def control_channel_cost(model: str, steps: int) -> tuple[float, float]:
     llama = LlamaModel(checkpoint, torch.float32)
     pool = KVPool(llama.config, 64, 16, torch.float32)
     worker = Worker("decode", ModelRunner(llama, pool))
-    secret = DeploymentSecret.generate()
+    secret, front_key = DeploymentSecret.generate(), FrontKey.generate()
     compute = ComputeThread("bench")
-    endpoint = KvEndpoint(lambda: create_transport("tcp", secret=secret, host="127.0.0.1"), pool.data,
-                          lambda: role_record(pool, "bench", 1024))
-    server = WorkerServer(worker, compute, endpoint, secret, checkpoint.tokenizer, model="bench",
-                          max_context_tokens=1024)
+    endpoint = KvEndpoint(lambda: create_transport("tcp", secret=secret, front_key=front_key.public,
+                                                   host="127.0.0.1"),
+                          pool.data, lambda: role_record(pool, "bench", 1024))
+    server = WorkerServer(worker, compute, endpoint, secret, checkpoint.tokenizer, front_key=front_key.public,
+                          model="bench", max_context_tokens=1024)
     listener = listen("127.0.0.1", 0)
     address = "127.0.0.1:%d" % listener.getsockname()[1]
 
@@ -190,7 +205,7 @@ async def control_channel_cost(model: str, steps: int) -> tuple[float, float]:
 
     async with anyio.create_task_group() as tg:
         await tg.start(server.serve, listener)
-        remote = await RemoteWorker.connect(tg, address, secret)
+        remote = await RemoteWorker.connect(tg, address, secret, front_key=front_key)
         remote_s = await timed(remote)
         remote.close()
         local_s = await timed(LocalWorkerChannel(worker, compute))

@@ -49,6 +49,7 @@ from kvfence.app.config import PoolsConfig
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.transports.base import PairingRecord, Peer, TransferManifest, Transport, TransportUnavailable
 from kvfence.transports.core.digest import page_digest
+from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.inprocess import InProcessHub
 from kvfence.transports.registry import create_transport
@@ -60,6 +61,7 @@ SIZES = {"page": 1, "request": 2048 // PAGE_TOKENS, "256MiB": MIB256_PAGES, "204
 DEFAULT_SIZES = ("page", "request", "256MiB")
 TRANSFER_TIMEOUT_S = 60.0
 SECRET = DeploymentSecret.generate()  # both ends live in this process
+FRONT = FrontKey.generate()
 MIN_REPS, MAX_REPS = 5, 20_000
 
 
@@ -197,7 +199,7 @@ async def move(tx: Transport, rx: Transport, peer: Peer, case: Case) -> None:
     manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(mint_id()), nonce=id_hex(mint_id()),
                                 num_tokens=len(case.src) * PAGE_TOKENS, num_pages=len(case.src))
     manifest = msgspec.structs.replace(
-        manifest, capability=SECRET.capability(manifest, case.dst, peer.info.record.incarnation))
+        manifest, capability=FRONT.capability(manifest, case.dst, peer.info.record.incarnation))
     rx.expect(manifest, case.dst)
     try:
         with anyio.fail_after(TRANSFER_TIMEOUT_S):
@@ -222,7 +224,8 @@ async def bench_transport(name: str, src: torch.Tensor, dst: torch.Tensor, cases
                            digest="xxh3_64", max_context_tokens=8192, incarnation=id_hex(mint_id()))
     options = {"hub": hub} if name == "inprocess" else {}
     try:
-        tx, rx = create_transport(name, secret=SECRET, **options), create_transport(name, secret=SECRET, **options)
+        tx, rx = (create_transport(name, secret=SECRET, front_key=FRONT.public, **options),
+                  create_transport(name, secret=SECRET, front_key=FRONT.public, **options))
     except TransportUnavailable as e:
         return [Row(name, c.size, c.nbytes, "not installed", str(e)) for c in cases]
     rows: list[Row] = []

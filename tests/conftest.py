@@ -16,6 +16,15 @@ from kvfence.engine.model_registry import resolve_model
 DATA = Path(__file__).parent / "data"
 
 
+@pytest.fixture
+def keylog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A key log every connection sealed in this process writes to (transports/wire/handshake.py),
+    for tests/tamper_relay.py's oracle."""
+    path = tmp_path / "keylog"
+    monkeypatch.setenv("KVFENCE_KEYLOG_FILE", str(path))
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _torch_threads() -> None:
     torch.set_num_threads(2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import anyio
 import anyio.abc
 import torch
+from front_keys import FRONT
 from serving_harness import compute_thread, make_worker
 
 from kvfence.app.pairing import role_record
@@ -27,10 +28,12 @@ class Hosted:
     def __init__(self, tiny: Checkpoint, role: str, secret: DeploymentSecret, dtype: torch.dtype = torch.float32) -> None:
         self.worker: Worker = make_worker(tiny, role, PAGES, PAGE, dtype)
         pool = self.worker.pool
-        self.endpoint = KvEndpoint(lambda: create_transport("tcp", secret=secret, host="127.0.0.1"), pool.data,
-                                   lambda: role_record(pool, MODEL_ID, CONTEXT))
+        front_key = FRONT.public  # the test front end's (tests/front_keys.py)
+        self.endpoint = KvEndpoint(lambda: create_transport("tcp", secret=secret, front_key=front_key,
+                                                            host="127.0.0.1"),
+                                   pool.data, lambda: role_record(pool, MODEL_ID, CONTEXT))
         self.server = WorkerServer(self.worker, compute_thread(), self.endpoint, secret, tiny.tokenizer,
-                                   model=MODEL_ID, max_context_tokens=CONTEXT)
+                                   front_key=front_key, model=MODEL_ID, max_context_tokens=CONTEXT)
         self.listener = listen("127.0.0.1", 0)
         self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
         self.scope = anyio.CancelScope()

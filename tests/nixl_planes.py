@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from front_keys import FRONT
 
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.data_plane import DataPlane, WriteState
@@ -48,4 +49,4 @@ class PlaneTransport(OneSidedTransport):
     name: ClassVar[str] = "nixl"
 
     def __init__(self, plane: DataPlane, secret: DeploymentSecret, **options: Any) -> None:
-        super().__init__(plane, secret=secret, **options)
+        super().__init__(plane, secret=secret, front_key=FRONT.public, **options)

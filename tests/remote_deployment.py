@@ -18,7 +18,7 @@ import openai
 import pytest
 from etcd_server import EtcdServer
 from netns import TwoHosts
-from server_process import ServerProcess, WorkerProcess, secret_file
+from server_process import ServerProcess, WorkerProcess, front_key_files, secret_file
 
 MODEL = "SmolLM2-135M-Instruct"
 POOLS = ("--max-context", "2048", "--prefill-num-pages", "256", "--decode-num-pages", "512")
@@ -33,6 +33,7 @@ class Deployment:
     def __init__(self, model: Path, transport: str, directory: Path, hosts: TwoHosts) -> None:
         self.model, self.transport, self.directory, self.hosts = model, transport, directory, hosts
         self.secret = secret_file(directory)
+        self.front_key, self.front_public = front_key_files(directory)
         self.etcd = EtcdServer(directory, (hosts.here("prefill"), hosts.here("decode"))) \
             if transport == "tcp" else None
         self.workers: list[WorkerProcess] = []
@@ -54,7 +55,8 @@ class Deployment:
         registering = ("--discovery", f"etcd://{self.hosts.here(role)}:{self.etcd.port}") if self.etcd else ()
         consent = (f"--{self.transport}-unauthenticated-ports-ok",) if self.transport in ("nixl", "mooncake") else ()
         w = WorkerProcess(self.model, role, "--transport", self.transport, *consent, "--transport-secret-file",
-                          str(self.secret), "--transport-host", self.hosts.kv[role], *POOLS, *registering, *extra,
+                          str(self.secret), "--front-public-key-file", str(self.front_public), "--transport-host",
+                          self.hosts.kv[role], *POOLS, *registering, *extra,
                           log_path=self.directory / f"{role}{len(self.workers)}.log", host=self.hosts.host(role),
                           prefix=self.hosts.prefix(role))
         self.workers.append(w)
@@ -65,8 +67,8 @@ class Deployment:
         discovery = f"etcd://{self.etcd.address}" if self.etcd else "static://" + ",".join(w.control
                                                                                           for w in self.workers)
         front = ServerProcess(self.model, "--discovery", discovery, "--transport-secret-file", str(self.secret),
-                              "--canary-interval", "3600", "--chunk-tokens", "256", "--worker-timeout",
-                              str(WORKER_TIMEOUT_S), *extra,
+                              "--front-key-file", str(self.front_key), "--canary-interval", "3600", "--chunk-tokens",
+                              "256", "--worker-timeout", str(WORKER_TIMEOUT_S), *extra,
                               log_path=self.directory / f"front{self.fronts}.log")
         return front
 

@@ -10,6 +10,7 @@ from typing import TypeVar
 import anyio
 import torch
 from anyio.abc import TaskGroup
+from front_keys import FRONT
 
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.engine.checkpoint import Checkpoint
@@ -25,6 +26,7 @@ from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.request import State
 from kvfence.transports.base import Transport
+from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 _T = TypeVar("_T")
 
@@ -78,7 +80,7 @@ async def start_serving(tg: TaskGroup, checkpoint: Checkpoint, mode: str, config
         from kvfence.transports.inprocess import InProcessHub
         options = {"hub": InProcessHub()}
     roles = [(w.pool, role_record(w.pool, "tiny", config.max_context_tokens)) for w in (pw, dw)]
-    paired = await pair_workers(tg, mode, roles[0], roles[1], DeploymentSecret.generate(), faults, options)
+    paired = await pair_workers(tg, mode, roles[0], roles[1], DeploymentSecret.generate(), FRONT, faults, options)
     scheduler = Scheduler(config, checkpoint.tokenizer, channel(pw), channel(dw), prefill_pages=num_pages,
                           decode_pages=num_pages, link=paired.link)
     await scheduler.run(tg)
@@ -135,7 +137,7 @@ async def until_transferring(scheduler: Scheduler, timeout_s: float = 5) -> None
 
 
 async def start_serving_over(tg: TaskGroup, checkpoint: Checkpoint, config: SchedulerConfig, num_pages: int,
-                             sender: Transport, receiver: Transport, secret: DeploymentSecret,
+                             sender: Transport, receiver: Transport, front_key: FrontKey = FRONT,
                              route=None) -> Serving:  # type: ignore[no-untyped-def]
     """Disaggregated serving over transports the test built itself (e.g. over a data plane of its
     own), paired as `pair_workers` pairs the built-ins. `route(info)`: an async function giving
@@ -148,7 +150,7 @@ async def start_serving_over(tg: TaskGroup, checkpoint: Checkpoint, config: Sche
     receiver_info = await receiver.start(tg, dw.pool.data, records[1])
     await sender.start(tg, pw.pool.data, records[0])
     peer = await sender.pair(receiver_info if route is None else await route(receiver_info))
-    link = TransferLink.local(sender, receiver, peer, page, records[0].page_nbytes, secret)
+    link = TransferLink.local(sender, receiver, peer, page, records[0].page_nbytes, front_key)
     scheduler = Scheduler(config, checkpoint.tokenizer, channel(pw), channel(dw), prefill_pages=num_pages,
                           decode_pages=num_pages, link=link)
     await scheduler.run(tg)

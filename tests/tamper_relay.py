@@ -4,8 +4,10 @@ record: flip a bit of it, replay it, swap it with the next, drop it, or cut it s
 an end could (`ALTER`), change a byte of its plaintext and seal it again: what a flip between the
 sender's digest and its seal would do, for the digest check behind the seal to catch.
 
-To pick its record the relay reads the traffic with the deployment secret: a test oracle, so a
-test can aim at every kind of message. A real relay holds no key; `wire` keeps every byte it saw
+To pick its record the relay reads the traffic with the keys the ends wrote to their key log
+(`KVFENCE_KEYLOG_FILE`, the `keylog` fixture): a test oracle, so a test can aim at every kind of
+message. A real relay holds no key (not even the deployment secret would do: the keys also come
+from the handshake's ephemeral exchange); `wire` keeps every byte it saw
 in each direction after the handshake, and `plain` what the oracle opened of them, so a test can
 show that the wire contains none of the plaintext. `kind` may be set while it runs (to tamper
 from then on).
@@ -13,14 +15,19 @@ from then on).
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
-from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, DeploymentSecret
+from kvfence.engine.remote.protocol import HANDSHAKE_LABEL
+from kvfence.transports.core.front_key import SIGNATURE_BYTES
+from kvfence.transports.core.secret import MAC_BYTES, PART_BYTES
 from kvfence.transports.wire.channel import split_address
 from kvfence.transports.wire.framing import LEN_SIZE, ProtocolError, decode_frame, frame_length
-from kvfence.transports.wire.handshake import MAGIC
+from kvfence.transports.wire.handshake import KEYLOG_ENV, MAGIC
 from kvfence.transports.wire.seal import HEADER_BYTES, TAG_BYTES, Opener, Sealer
 
 OPS = ("flip", "replay", "reorder", "drop", "truncate")
@@ -39,6 +46,13 @@ def frame_namer(protocol: object) -> Callable[[bytes], str]:
             pass
         return "page bytes"
     return name_of
+
+
+def keylog_in_use() -> Path:
+    """The key log this process's connections write to (the `keylog` fixture sets it)."""
+    path = os.environ.get(KEYLOG_ENV)
+    assert path, f"{KEYLOG_ENV} is not set: use the keylog fixture"
+    return Path(path)
 
 
 def _read(conn: socket.socket, n: int) -> bytes:
@@ -61,11 +75,11 @@ class TamperingRelay:
     `tampered` is set when the op was done; `closed_after_tampering` once the end that got the
     tampered traffic closed its side of the connection."""
 
-    def __init__(self, target: str, secret: DeploymentSecret, label: str, name_of: Callable[[bytes], str],
+    def __init__(self, target: str, keylog: Path, label: str, name_of: Callable[[bytes], str],
                  kind: str | None = None, op: str = "flip", direction: str = TO_LISTENER) -> None:
         if op not in (*OPS, ALTER):
             raise ValueError(f"op {op!r} not in {OPS} or {ALTER!r}")
-        self.target, self.secret, self.label, self.name_of = target, secret, label, name_of
+        self.target, self.keylog, self.label, self.name_of = target, keylog, label, name_of
         self.kind, self.op, self.direction = kind, op, direction
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
@@ -105,18 +119,32 @@ class TamperingRelay:
         self.upstream_local = self.upstream_local or f"{host}:{port}"
         with conn, upstream:
             try:  # the handshake, unchanged
-                opening = _read(conn, len(MAGIC) + NONCE_BYTES)
+                opening = _read(conn, len(MAGIC) + PART_BYTES)
                 upstream.sendall(opening)
-                answer = _read(upstream, NONCE_BYTES + MAC_BYTES)
-                conn.sendall(answer)
-                upstream.sendall(_read(conn, MAC_BYTES))
+                conn.sendall(_read(upstream, PART_BYTES + MAC_BYTES))
+                front_signed = SIGNATURE_BYTES if self.label == HANDSHAKE_LABEL else 0
+                upstream.sendall(_read(conn, MAC_BYTES + front_signed))
             except OSError:
                 return
-            keys = self.secret.session_keys(self.label, opening[len(MAGIC):], answer[:NONCE_BYTES])
+            keys = self._logged_keys(opening[len(MAGIC):])
             back = threading.Thread(target=self._pipe, args=(upstream, conn, TO_CONNECTOR, keys[1]), daemon=True)
             back.start()
             self._pipe(conn, upstream, TO_LISTENER, keys[0])
             back.join(timeout=10)
+
+    def _logged_keys(self, connector_part: bytes) -> tuple[bytes, bytes]:
+        """(to the listener, to the connector) of the connection that opened with this
+        contribution, as its ends logged them."""
+        want, deadline = f"{self.label} {connector_part.hex()} ", time.monotonic() + 10
+        while time.monotonic() < deadline:
+            lines = self.keylog.read_text().splitlines() if self.keylog.exists() else []
+            for line in lines:
+                if line.startswith(want):
+                    to_listener, to_connector = line.split()[2:4]
+                    return bytes.fromhex(to_listener), bytes.fromhex(to_connector)
+            time.sleep(0.01)
+        raise AssertionError(f"no end logged the keys of a {self.label} connection in {self.keylog}: is "
+                             f"KVFENCE_KEYLOG_FILE set for the processes under test?")
 
     def _pipe(self, src: socket.socket, dst: socket.socket, direction: str, key: bytes) -> None:
         oracle, resealer, held = Opener(key), Sealer(key), b""

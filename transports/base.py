@@ -7,15 +7,17 @@ pair as a whole. After that the sender pushes lists of source pages into lists o
 pages, each push described by a `TransferManifest`.
 
 Peers are authenticated: every endpoint is constructed with the deployment's secret
-(`secret=DeploymentSecret`, transports/core/secret.py) and serves nothing to a peer that has not
-proved it holds the same one; the built-ins run the handshake of transports/wire/handshake.py
-before any other byte.
+(`secret=DeploymentSecret`, transports/core/secret.py) and the front end's public key
+(`front_key=FrontPublicKey`, transports/core/front_key.py), and serves nothing to a peer that has
+not proved it holds the same secret; the built-ins run the handshake of
+transports/wire/handshake.py before any other byte.
 
 Receiving is opt-in per transfer: the receiver `expect()`s a manifest and its destination pages
 (decided by the server, never by the sender) before the push; bytes for a transfer that is not
 expected, or no longer expected, are never written into the pool. The manifest carries a
-capability minted by the planner with the deployment secret; the receiver refuses to arm, and
-refuses a push, whose capability does not verify for its pages and the receiver's incarnation. A transfer succeeds only on
+capability the planner signed with the front end's key; the receiver refuses to arm, and refuses a
+push, whose capability does not verify (with `front_key`) for its pages and the receiver's
+incarnation. A transfer succeeds only on
 positive proof: every page arrived, the manifest matches what was expected, and every page's
 digest recomputed over the bytes that landed equals the sender's.
 """
@@ -70,8 +72,8 @@ class TransferManifest(msgspec.Struct, frozen=True):
     num_tokens: int  # tokens of KV the pages hold
     num_pages: int
     digests: list[str] = []  # per source page, over the exact bytes sent ("" list when digest is "none")
-    # MAC over (transfer_id, lease, nonce, num_tokens, num_pages, dst pages, receiver incarnation)
-    # with the deployment secret, minted where the transfer is planned (transports/core/secret.py).
+    # Ed25519 signature (hex) over (transfer_id, lease, nonce, num_tokens, num_pages, dst pages, receiver incarnation)
+    # with the front end's key, where the transfer is planned (transports/core/front_key.py).
     capability: str = ""
 
 

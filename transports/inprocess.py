@@ -28,6 +28,7 @@ from kvfence.transports.base import (EndpointInfo, PairingRecord, PairingRefused
 from kvfence.transports.core.digest import page_digest
 from kvfence.transports.core.endpoint import Endpoint, check_pair, pairing_problem
 from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES
+from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import NONCE_BYTES, AuthenticationFailed, DeploymentSecret
 from kvfence.transports.core.staging import SourcePages
 
@@ -62,10 +63,12 @@ class InProcessPeer(Peer):
 class InProcessTransport(Endpoint):
     name: ClassVar[str] = "inprocess"
 
-    def __init__(self, hub: InProcessHub, *, secret: DeploymentSecret, yield_every_bytes: int = 4 << 20,
+    def __init__(self, hub: InProcessHub, *, secret: DeploymentSecret, front_key: FrontPublicKey,
+                 yield_every_bytes: int = 4 << 20,
                  stage_through_host: bool | None = None,
                  stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
-        super().__init__(secret=secret, stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
+        super().__init__(secret=secret, front_key=front_key, stage_through_host=stage_through_host,
+                         stage_chunk_bytes=stage_chunk_bytes)
         self.hub = hub
         self._challenges: dict[bytes, bytes] = {}  # listener nonce -> connector nonce, until answered
         self.yield_every_bytes = yield_every_bytes

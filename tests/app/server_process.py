@@ -134,6 +134,19 @@ class WorkerProcess(Subprocess):
 
 
 
+def front_key_files(directory: Path, name: str = "front") -> tuple[Path, Path]:
+    """A fresh front end key pair, as `kvfence front-key` writes it: (private, readable only by its
+    owner; public)."""
+    from kvfence.transports.core.front_key import FrontKey
+
+    key = FrontKey.generate()
+    private, public = directory / f"{name}.key", directory / f"{name}.pub"
+    private.write_bytes(key.pem())
+    private.chmod(0o600)
+    public.write_bytes(key.public.pem())
+    return private, public
+
+
 def secret_file(directory: Path) -> Path:
     """A fresh deployment secret, readable only by its owner."""
     path = directory / "deployment.secret"

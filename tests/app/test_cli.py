@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,25 @@ def test_config_reference_prints_the_generated_table(capsys: pytest.CaptureFixtu
 
     assert main(["config-reference"]) == 0
     assert capsys.readouterr().out == config_reference()
+
+
+def test_front_key_writes_a_pair_once_and_a_worker_needs_its_public_half(tmp_path: Path) -> None:
+    from kvfence.transports.core.front_key import FrontKey, FrontPublicKey
+
+    key, public = tmp_path / "front.key", tmp_path / "front.pub"
+    made = kvfence("front-key", "--key", str(key), "--public", str(public))
+    assert made.returncode == 0, made.stderr
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert FrontKey.from_file(key).public.raw() == FrontPublicKey.from_file(public).raw()
+    assert FrontPublicKey.from_file(public).fingerprint in made.stdout
+    again = kvfence("front-key", "--key", str(key), "--public", str(tmp_path / "other.pub"))
+    assert again.returncode == 2 and "never overwritten" in again.stderr
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 64)
+    secret.chmod(0o600)
+    worker = ("worker", "--role", "decode", "--control", "127.0.0.1:9", "--transport-secret-file", str(secret))
+    proc = kvfence(*worker)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--front-public-key-file" in proc.stderr and "kvfence front-key" in proc.stderr
+    proc = kvfence(*worker, "--front-public-key-file", str(key))  # the private half is not a public key
+    assert proc.returncode == 2 and "not an Ed25519 public key" in proc.stderr

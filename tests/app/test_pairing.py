@@ -9,6 +9,8 @@ import anyio
 import pytest
 import torch
 
+from front_keys import FRONT
+
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
@@ -32,7 +34,7 @@ async def test_the_pair_serves_the_smaller_limit_known_at_pairing(tiny: Checkpoi
     prefill, decode = pool(tiny, 64), pool(tiny, 20)  # 256 and 80 tokens
     async with anyio.create_task_group() as tg:
         paired = await pair_workers(tg, "tcp", (prefill, role_record(prefill, "m", 200)),
-                                    (decode, role_record(decode, "m", 200)), DeploymentSecret.generate())
+                                    (decode, role_record(decode, "m", 200)), DeploymentSecret.generate(), FRONT)
         assert paired.max_context_tokens == 80
         assert paired.peer.info.record.max_context_tokens == 80
         for endpoint in paired.endpoints:
@@ -50,7 +52,7 @@ async def test_a_mismatch_refuses_the_pair_with_one_clear_line(
     async with anyio.create_task_group() as tg:
         with pytest.raises(PairingRefused, match=field):
             await pair_workers(tg, "tcp", (prefill, role_record(prefill, "m", 64)),
-                               (decode, role_record(decode, "m", 64)), DeploymentSecret.generate())
+                               (decode, role_record(decode, "m", 64)), DeploymentSecret.generate(), FRONT)
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("pairing refused: prefill -> decode over tcp: ") and field in line
     assert "no request will be routed" in line
@@ -61,7 +63,7 @@ async def test_different_models_refuse_the_pair(tiny: Checkpoint) -> None:
     async with anyio.create_task_group() as tg:
         with pytest.raises(PairingRefused, match="model"):
             await pair_workers(tg, "inprocess", (prefill, role_record(prefill, "tiny@1", 64)),
-                               (decode, role_record(decode, "tiny@2", 64)), DeploymentSecret.generate(),
+                               (decode, role_record(decode, "tiny@2", 64)), DeploymentSecret.generate(), FRONT,
                                options={"hub": InProcessHub()})
 
 
@@ -79,7 +81,7 @@ async def test_each_role_listens_where_its_options_say(tiny: Checkpoint) -> None
     prefill, decode = pool(tiny, 16), pool(tiny, 16)
     async with anyio.create_task_group() as tg:
         paired = await pair_workers(tg, transport.name, (prefill, role_record(prefill, "m", 64)),
-                                    (decode, role_record(decode, "m", 64)), DeploymentSecret.generate(),
+                                    (decode, role_record(decode, "m", 64)), DeploymentSecret.generate(), FRONT,
                                     role_options={r: transport.endpoint_options(r) for r in ("prefill", "decode")})
         assert paired.peer.info.address == f"127.0.0.1:{port}"
         for endpoint in paired.endpoints:

@@ -31,8 +31,8 @@ from pathlib import Path
 import openai
 import pytest
 from remote_deployment import (STREAM_TOKENS, Deployment, ServerProcess, all_served, at_baseline, chat_references_hold,
-                               deployed, over_etcd, secret_file, signalled_mid_stream, status, streams, until,
-                               wait_baseline)
+                               deployed, front_key_files, over_etcd, secret_file, signalled_mid_stream, status, streams,
+                               until, wait_baseline)
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl", "mooncake"])
@@ -65,18 +65,25 @@ def test_a_new_front_end_serves_after_the_last_one_left(deployment: Deployment, 
     wait_baseline(deployment.front)
 
 
-def test_a_front_end_without_the_secret_gets_nothing(deployment: Deployment, tmp_path: Path) -> None:
-    """While one front end owns the workers, a second with the wrong deployment secret fails the
-    handshake, says so and exits 1; the workers log the refusal and keep serving the first."""
+@pytest.mark.parametrize("holds", ["another secret", "the secret, not the front key"])
+def test_a_front_end_without_its_credentials_gets_nothing(deployment: Deployment, tmp_path: Path, holds: str) -> None:
+    """While one front end owns the workers, a second with the wrong deployment secret, or with the
+    secret but a front key of its own (all a compromised worker host could hold), fails the
+    handshake and exits 1; the workers log the refusal and keep serving the first."""
     over_etcd(deployment)
-    other = secret_file(tmp_path)
+    secret = secret_file(tmp_path) if holds == "another secret" else deployment.secret
+    own_key, _ = front_key_files(tmp_path, "own")
     discovery = "static://" + ",".join(w.control for w in deployment.workers)
-    stranger = ServerProcess(deployment.model, "--discovery", discovery, "--transport-secret-file", str(other),
-                             log_path=tmp_path / "stranger.log")
+    stranger = ServerProcess(deployment.model, "--discovery", discovery, "--transport-secret-file", str(secret),
+                             "--front-key-file", str(own_key), log_path=tmp_path / "stranger.log")
     assert stranger.proc.wait(120) == 1
-    assert "did not prove the deployment secret" in stranger.log(), stranger.log()
+    if holds == "another secret":
+        assert "did not prove the deployment secret" in stranger.log(), stranger.log()
+    # with another secret, the front end is the one that hangs up (the worker's proof fails there)
+    refusal = "refused" if holds == "another secret" else \
+        "holds the deployment secret but did not prove the front end's key"
     stranger.stop()
-    assert any("control connection from" in line and "refused" in line
+    assert any("control connection from" in line and refusal in line
                for w in deployment.workers for line in w.log().splitlines())
     assert deployment.front.metric("kvfence_ready") == 1.0
 

@@ -51,18 +51,19 @@ def control_needles(reference: dict, plain: bytes) -> list[bytes]:
 
 
 def test_a_relay_at_a_redirected_address_reads_nothing_and_alters_nothing(deployment: Deployment, reference: dict,
-                                                                        tmp_path: Path) -> None:
+                                                                        tmp_path: Path, keylog: Path) -> None:
     """A front end whose static list names relays in place of the workers (redirected addresses,
     a forged list): the handshakes pass through them and the references are served, but the bytes
     they carried hold no prompt token id and no sampled token; the first record one of them alters
-    closes its connection (an end says so) and that worker is lost."""
+    closes its connection (an end says so) and that worker is lost. (The relay's oracle reads the
+    key log the front end writes: the `keylog` fixture sets it for the processes started here.)"""
     prefill, decode = (next(w for w in deployment.workers if w.role == role) for role in ("prefill", "decode"))
     assert deployment.front.stop() == 0
-    secret = DeploymentSecret.from_file(deployment.secret)
-    with TamperingRelay(prefill.control, secret, HANDSHAKE_LABEL, lambda plain: "control") as to_prefill, \
-            TamperingRelay(decode.control, secret, HANDSHAKE_LABEL, lambda plain: "control") as to_decode:
+    with TamperingRelay(prefill.control, keylog, HANDSHAKE_LABEL, lambda plain: "control") as to_prefill, \
+            TamperingRelay(decode.control, keylog, HANDSHAKE_LABEL, lambda plain: "control") as to_decode:
         front = ServerProcess(deployment.model, "--discovery", f"static://{to_prefill.address},{to_decode.address}",
-                              "--transport-secret-file", str(deployment.secret), "--canary-interval", "3600",
+                              "--transport-secret-file", str(deployment.secret), "--front-key-file",
+                              str(deployment.front_key), "--canary-interval", "3600",
                               "--worker-timeout", str(WORKER_TIMEOUT_S), log_path=tmp_path / "relayed.log")
         try:
             front.wait_ready()

@@ -18,7 +18,8 @@ import pytest
 import torch
 from nixl_planes import PlaneTransport, WrappedNixlPlane
 from serving_harness import start_serving_over, wait_idle
-from tamper_relay import ALTER, TO_LISTENER, TamperingRelay, frame_namer
+from front_keys import FRONT
+from tamper_relay import ALTER, TO_LISTENER, TamperingRelay, frame_namer, keylog_in_use
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
@@ -29,7 +30,7 @@ from kvfence.transports.onesided.data_plane import WriteState
 from kvfence.transports.tcp.transport import TcpTransport
 from kvfence.transports.tcp.wire import Frame
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("keylog")]
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 CONFIG = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, chunk_tokens=16, disaggregated=True,
@@ -61,16 +62,17 @@ async def serve_through_relay(tiny: Checkpoint, op: str) -> tuple[tuple, Tamperi
     record of the second push; (the second's outcome, the relay), the third checked against the
     first (the pair carries on)."""
     secret = DeploymentSecret.generate()
-    sender, receiver = TcpTransport(secret=secret), TcpTransport(secret=secret)
+    sender, receiver = (TcpTransport(secret=secret, front_key=FRONT.public),
+                        TcpTransport(secret=secret, front_key=FRONT.public))
     routes: list[TamperingRelay] = []
     async with anyio.create_task_group() as tg:
         with ExitStack() as relays:
             async def via_relay(info: EndpointInfo) -> EndpointInfo:
-                routes.append(relays.enter_context(TamperingRelay(info.address, secret, "tcp", naming_pushes(),
+                routes.append(relays.enter_context(TamperingRelay(info.address, keylog_in_use(), "tcp", naming_pushes(),
                                                                   "page bytes of push 2", op, TO_LISTENER)))
                 return EndpointInfo(info.transport, routes[-1].address, info.record)
 
-            s = await start_serving_over(tg, tiny, CONFIG, 64, sender, receiver, secret, route=via_relay)
+            s = await start_serving_over(tg, tiny, CONFIG, 64, sender, receiver, route=via_relay)
             want, reason, error = await outcome(s.scheduler)
             assert (reason, error) == ("length", None) and len(want) == 4
             with anyio.fail_after(10):
@@ -140,7 +142,7 @@ async def test_a_byte_flipped_under_a_one_sided_write_is_caught_by_the_receivers
     plane = FlippingPlane(flip_write=2)
     async with anyio.create_task_group() as tg:
         s = await start_serving_over(tg, tiny, CONFIG, 64, PlaneTransport(plane, secret),
-                                     PlaneTransport(WrappedNixlPlane(), secret), secret)
+                                     PlaneTransport(WrappedNixlPlane(), secret))
         want, reason, error = await outcome(s.scheduler)
         assert (reason, error) == ("length", None) and len(want) == 4
         with anyio.fail_after(10):

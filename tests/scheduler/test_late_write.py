@@ -69,7 +69,7 @@ async def test_a_write_that_lands_after_the_timeout_lands_in_quarantined_pages_t
                              transfer_timeout_s=0.3)
     async with anyio.create_task_group() as tg:
         s = await start_serving_over(tg, tiny, config, 64, PlaneTransport(plane, secret, cancel_ack_timeout_s=0.2),
-                                     PlaneTransport(WrappedNixlPlane(), secret, cancel_ack_timeout_s=0.2), secret)
+                                     PlaneTransport(WrappedNixlPlane(), secret, cancel_ack_timeout_s=0.2))
         handle = s.scheduler.submit([11, 12, 13, 14, 15, 16, 17, 18, 19],
                                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         with anyio.fail_after(10):

@@ -16,6 +16,7 @@ import socket
 import anyio
 import pytest
 import torch
+from front_keys import FRONT
 from hosted_workers import MODEL_ID, PAGE, PAGES, Hosted, host_pair
 from flood import FLOOD, connect, enough_descriptors
 from serving_harness import wait_idle
@@ -41,10 +42,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 async def front(tg: anyio.abc.TaskGroup, hosted: list[Hosted], secret: DeploymentSecret,
                 tokenizer) -> tuple[Scheduler, list[RemoteWorker]]:  # type: ignore[no-untyped-def]
-    workers = [await RemoteWorker.connect(tg, h.address, secret) for h in hosted]
+    workers = [await RemoteWorker.connect(tg, h.address, secret, front_key=FRONT) for h in hosted]
     for w in workers:
         check_worker(w, MODEL_ID, PAGE)
-    pair = await pair_remote(*workers, PAGE, secret)
+    pair = await pair_remote(*workers, PAGE, FRONT)
     config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=pair.max_context_tokens, chunk_tokens=8,
                              disaggregated=True, transfer_timeout_s=5)
     scheduler = Scheduler(config, tokenizer, pair.prefill, pair.decode, prefill_pages=PAGES, decode_pages=PAGES,
@@ -100,7 +101,7 @@ async def test_remote_workers_serve_exactly_and_end_a_gone_schedulers_leases(tin
             assert await workers[0].reference(PROMPTS[0], 10) == want[0]
             # while it owns the workers, another scheduler (with the secret) is refused
             with pytest.raises(WorkerLost, match="already serves"):
-                await RemoteWorker.connect(first, hosted[1].address, secret)
+                await RemoteWorker.connect(first, hosted[1].address, secret, front_key=FRONT)
             # pages are held (an unfinished request, and the prefix cache) when the scheduler goes
             handle = scheduler.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
             async for d in handle.deltas():
@@ -131,7 +132,7 @@ async def test_a_peer_without_the_secret_gets_nothing(tiny: Checkpoint) -> None:
     async with anyio.create_task_group() as tg:
         hosted = await host_pair(tg, tiny, secret)
         with pytest.raises(WorkerLost, match="did not prove"):
-            await RemoteWorker.connect(tg, hosted[0].address, DeploymentSecret.generate())
+            await RemoteWorker.connect(tg, hosted[0].address, DeploymentSecret.generate(), front_key=FRONT)
         # a client that speaks no handshake: the worker answers nothing and closes
         host, port = hosted[0].address.split(":")
         async with await anyio.connect_tcp(host, int(port)) as stream:
@@ -147,7 +148,7 @@ async def test_workers_that_cannot_serve_together_are_refused_with_the_reason(ti
     secret = DeploymentSecret.generate()
     async with anyio.create_task_group() as tg:
         hosted = await host_pair(tg, tiny, secret)
-        workers = [await RemoteWorker.connect(tg, h.address, secret) for h in hosted]
+        workers = [await RemoteWorker.connect(tg, h.address, secret, front_key=FRONT) for h in hosted]
         for w in workers:
             check_worker(w, MODEL_ID, PAGE)
             with pytest.raises(WorkerSetError, match="same --model"):

@@ -116,7 +116,7 @@ class SchedulerLifecycle(RuleBasedStateMachine):
             self.plane = ControlledPlane()
             self.serving = await start_serving_over(
                 tg, tiny, CONFIG, NUM_PAGES, PlaneTransport(self.plane, secret, cancel_ack_timeout_s=0.05),
-                PlaneTransport(WrappedNixlPlane(), secret, cancel_ack_timeout_s=0.05), secret)
+                PlaneTransport(WrappedNixlPlane(), secret, cancel_ack_timeout_s=0.05))
             self.plane.decode_ledger = self.serving.scheduler.ledger("decode")
             self.plane.page_nbytes = self.serving.workers[1].pool.page_nbytes
             task_status.started()

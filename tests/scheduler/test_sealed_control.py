@@ -14,7 +14,8 @@ import anyio.abc
 import msgspec
 import pytest
 from hosted_workers import MODEL_ID, PAGE, PAGES, host_pair
-from tamper_relay import TO_CONNECTOR, TO_LISTENER, TamperingRelay
+from front_keys import FRONT
+from tamper_relay import TO_CONNECTOR, TO_LISTENER, TamperingRelay, keylog_in_use
 
 from kvfence.app.remote_front import check_worker, pair_remote
 from kvfence.engine.checkpoint import Checkpoint
@@ -27,7 +28,7 @@ from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.base import PairingRefused
 from kvfence.transports.core.secret import DeploymentSecret
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("keylog")]
 TIMEOUT_S = 1.0  # pings every quarter of it: a dropped or held message is followed by another soon
 OPS = ("flip", "replay", "reorder", "drop")
 KINDS = [(TO_LISTENER, kind) for kind in ("describe", "run_step", "ping", "arm")] + \
@@ -51,7 +52,7 @@ async def test_whatever_a_relay_does_to_a_control_message_loses_the_worker(
     secret = DeploymentSecret.generate()
     async with anyio.create_task_group() as tg:
         prefill, decode = await host_pair(tg, tiny, secret)
-        with TamperingRelay(decode.address, secret, HANDSHAKE_LABEL, body_type, kind, op, direction) as relay:
+        with TamperingRelay(decode.address, keylog_in_use(), HANDSHAKE_LABEL, body_type, kind, op, direction) as relay:
             async with anyio.create_task_group() as front:
                 with anyio.fail_after(15):
                     await serve_until_lost(front, tiny, secret, prefill.address, relay)
@@ -68,13 +69,13 @@ async def serve_until_lost(tg: anyio.abc.TaskGroup, tiny: Checkpoint, secret: De
     """Connect to the decode worker through the relay and serve short requests, with idle gaps
     (for pings), until it is lost (or, when the tampering hit its description or its pairing,
     until that fails and the loss follows)."""
-    workers = [await RemoteWorker.connect(tg, prefill, secret, timeout_s=TIMEOUT_S)]
+    workers = [await RemoteWorker.connect(tg, prefill, secret, front_key=FRONT, timeout_s=TIMEOUT_S)]
     pair = None
     try:
-        workers.append(await RemoteWorker.connect(tg, relay.address, secret, timeout_s=TIMEOUT_S))
+        workers.append(await RemoteWorker.connect(tg, relay.address, secret, front_key=FRONT, timeout_s=TIMEOUT_S))
         for w in workers:
             check_worker(w, MODEL_ID, PAGE)
-        pair = await pair_remote(*workers, PAGE, secret)
+        pair = await pair_remote(*workers, PAGE, FRONT)
     except (WorkerLost, PairingRefused):
         pass
     if pair is not None:

@@ -15,6 +15,7 @@ import time
 import anyio
 import anyio.abc
 import pytest
+from front_keys import FRONT
 from hosted_workers import MODEL_ID, PAGE, PAGES, Hosted, host_pair
 from serving_harness import wait_idle
 
@@ -95,10 +96,10 @@ class SilenceableRelay:
 
 async def serve(tg: anyio.abc.TaskGroup, tiny: Checkpoint, secret: DeploymentSecret,
                 addresses: list[str]) -> tuple[Scheduler, list[RemoteWorker]]:
-    workers = [await RemoteWorker.connect(tg, a, secret, timeout_s=TIMEOUT_S) for a in addresses]
+    workers = [await RemoteWorker.connect(tg, a, secret, front_key=FRONT, timeout_s=TIMEOUT_S) for a in addresses]
     for w in workers:
         check_worker(w, MODEL_ID, PAGE)
-    pair = await pair_remote(*workers, PAGE, secret)
+    pair = await pair_remote(*workers, PAGE, FRONT)
     config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=pair.max_context_tokens, chunk_tokens=8,
                              disaggregated=True, transfer_timeout_s=5)
     scheduler = Scheduler(config, tiny.tokenizer, pair.prefill, pair.decode, prefill_pages=PAGES,

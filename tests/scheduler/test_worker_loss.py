@@ -13,6 +13,7 @@ import logging
 import anyio
 import pytest
 import torch
+from front_keys import FRONT
 from hosted_workers import CONTEXT, MODEL_ID, PAGE, PAGES, Hosted, host_pair
 from serving_harness import wait_idle
 
@@ -46,7 +47,7 @@ def offline(tiny: Checkpoint, prompts: list[list[int]], n: int) -> list[list[int
 
 async def serve(tg: anyio.abc.TaskGroup, hosted: list[Hosted], secret: DeploymentSecret,
                 tiny: Checkpoint) -> tuple[Fleet, Scheduler]:
-    fleet = Fleet(tg, secret, MODEL_ID, PAGE, rejoin=False)
+    fleet = Fleet(tg, secret, FRONT, MODEL_ID, PAGE, rejoin=False)
     for h in hosted:
         assert await fleet.join(h.address)
     config = SchedulerConfig(page_size_tokens=PAGE, max_context_tokens=CONTEXT, chunk_tokens=8,

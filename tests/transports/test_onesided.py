@@ -15,7 +15,7 @@ from typing import ClassVar
 import anyio
 import pytest
 import torch
-from transport_harness import TEST_SECRET, make_manifest, make_record, page_bytes, signed
+from transport_harness import TEST_FRONT, TEST_SECRET, make_manifest, make_record, page_bytes, signed
 
 from kvfence.transports.base import Peer, TransferManifest, TransferResult, TransportUnavailable
 from kvfence.transports.onesided.data_plane import DataPlane, WriteState
@@ -143,7 +143,8 @@ class Pair:
 async def fake_pair(plane: type[FakePlane] = FakePlane, **options: object) -> AsyncIterator[Pair]:
     """Sender and receiver over 8-page pools; one page per write unless `options` say otherwise."""
     fabric = Fabric()
-    options = {"write_chunk_bytes": PAGE, "cancel_ack_timeout_s": 2.0, "secret": TEST_SECRET, **options}
+    options = {"write_chunk_bytes": PAGE, "cancel_ack_timeout_s": 2.0, "secret": TEST_SECRET,
+               "front_key": TEST_FRONT.public, **options}
     src, dst = torch.randn(8, 1024), torch.zeros(8, 1024)
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
@@ -433,7 +434,7 @@ async def test_a_write_still_pending_at_shutdown_never_quiets() -> None:
 
 async def test_a_pool_that_is_not_on_the_cpu_is_refused() -> None:
     async with anyio.create_task_group() as tg:
-        transport = FakeTransport(FakePlane(Fabric()), secret=TEST_SECRET)
+        transport = FakeTransport(FakePlane(Fabric()), secret=TEST_SECRET, front_key=TEST_FRONT.public)
         with pytest.raises(TransportUnavailable, match="CPU"):
             await transport.start(tg, torch.empty(4, 1024, device="meta"), make_record())
         await transport.aclose()

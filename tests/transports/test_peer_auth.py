@@ -5,7 +5,8 @@ the handshake timeout, the connection cap and the keep-alive of every listening 
 
 from __future__ import annotations
 
-import os
+import hashlib
+import hmac
 import socket
 import stat
 
@@ -14,14 +15,15 @@ import msgspec
 import pytest
 import torch
 from flood import connect
-from transport_harness import (LISTENING, TEST_SECRET, MooncakeStranger, make_manifest, make_record, paired,
+from transport_harness import (LISTENING, TEST_FRONT, TEST_SECRET, MooncakeStranger, make_manifest, make_record, paired,
                                raw_authenticate, recv_exactly, recv_until_closed, signed)
 
 from kvfence.transports.base import EndpointInfo
-from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, AuthenticationFailed, DeploymentSecret
+from kvfence.transports.core.front_key import FrontKey, capability_message
+from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, PART_BYTES, AuthenticationFailed, DeploymentSecret
 from kvfence.transports.tcp.wire import Frame
 from kvfence.transports.wire.framing import LEN_SIZE, decode_frame, encode_frame, frame_length
-from kvfence.transports.wire.handshake import MAGIC
+from kvfence.transports.wire.handshake import MAGIC, contribution, opening
 from kvfence.transports.wire.messages import Hello, HelloReply, Page, Ping, PushHeader
 
 pytestmark = pytest.mark.anyio
@@ -47,10 +49,10 @@ def stranger_pushes(address: str, kind: str, manifest, dst_pages: list[int], pag
     paired sender would (Hello, a push of an expected transfer with page bytes). Returns what it
     got during the handshake and everything after it."""
     with connect(address) as s:
-        connector_nonce = os.urandom(NONCE_BYTES)
-        s.sendall(MAGIC + connector_nonce)
-        answer = recv_exactly(s, NONCE_BYTES + MAC_BYTES)
-        s.sendall(STRANGER.proof("connector", kind, connector_nonce, answer[:NONCE_BYTES]))
+        mine, _ = contribution()
+        s.sendall(opening(mine))
+        answer = recv_exactly(s, PART_BYTES + MAC_BYTES)
+        s.sendall(STRANGER.proof("connector", kind, mine, answer[:PART_BYTES]))
         try:
             s.sendall(hello_frame(kind) + encode_frame(PushHeader(manifest, dst_pages, page_nbytes))
                       + encode_frame(Page(0)) + b"\xab" * page_nbytes)
@@ -66,7 +68,7 @@ async def test_a_stranger_with_a_valid_record_gets_nothing_and_lands_nothing(kin
         answer, after = await anyio.to_thread.run_sync(stranger_pushes, p.rx_info.address, kind, manifest, [3],
                                                        p.dst[0].numel() * 4)
         assert after == b""  # no HelloReply: no record, no plane descriptor
-        assert len(answer) == NONCE_BYTES + MAC_BYTES and make_record().model.encode() not in answer
+        assert len(answer) == PART_BYTES + MAC_BYTES and make_record().model.encode() not in answer
         p.assert_untouched()
         assert p.rx.refused_peers == 1
         assert p.peer is not None  # the deployment's own pair still works
@@ -121,14 +123,14 @@ async def test_a_replayed_handshake_fails(kind: str) -> None:
     async with paired(kind, pair=False) as p:
         def record_then_replay() -> tuple[bytes, bytes, bytes]:
             with connect(p.rx_info.address) as s:  # a real member's handshake, recorded on the wire
-                connector_nonce = os.urandom(NONCE_BYTES)
-                s.sendall(MAGIC + connector_nonce)
-                first = recv_exactly(s, NONCE_BYTES + MAC_BYTES)
-                proof = TEST_SECRET.proof("connector", kind, connector_nonce, first[:NONCE_BYTES])
+                mine, _ = contribution()
+                s.sendall(opening(mine))
+                first = recv_exactly(s, PART_BYTES + MAC_BYTES)
+                proof = TEST_SECRET.proof("connector", kind, mine, first[:PART_BYTES])
                 s.sendall(proof)
             with connect(p.rx_info.address) as s:  # replayed byte for byte
-                s.sendall(MAGIC + connector_nonce)
-                second = recv_exactly(s, NONCE_BYTES + MAC_BYTES)
+                s.sendall(opening(mine))
+                second = recv_exactly(s, PART_BYTES + MAC_BYTES)
                 s.sendall(proof + hello_frame(kind))
                 return first, second, recv_until_closed(s)
 
@@ -159,17 +161,17 @@ async def test_a_listener_that_does_not_prove_the_secret_hears_no_hello() -> Non
     def fake_listener() -> None:
         conn, _ = listener.accept()
         with conn:
-            opening = recv_exactly(conn, len(MAGIC) + NONCE_BYTES)
-            nonce = os.urandom(NONCE_BYTES)
-            conn.sendall(nonce + STRANGER.proof("listener", "tcp", opening[len(MAGIC):], nonce))
-            got.append(opening + recv_until_closed(conn))
+            hello = recv_exactly(conn, len(MAGIC) + PART_BYTES)
+            mine, _ = contribution()
+            conn.sendall(mine + STRANGER.proof("listener", "tcp", hello[len(MAGIC):], mine))
+            got.append(hello + recv_until_closed(conn))
 
     with listener:
         async with paired("tcp", pair=False) as p, anyio.create_task_group() as tg:
             tg.start_soon(anyio.to_thread.run_sync, fake_listener)
             with pytest.raises(AuthenticationFailed):
                 await p.tx.pair(EndpointInfo("tcp", f"127.0.0.1:{listener.getsockname()[1]}", make_record()))
-    assert len(got[0]) == len(MAGIC) + NONCE_BYTES  # its opening, then nothing: no record
+    assert len(got[0]) == len(MAGIC) + PART_BYTES  # its opening, then nothing: no record
 
 
 @pytest.mark.parametrize("kind", LISTENING)
@@ -235,7 +237,18 @@ def test_a_capability_covers_every_field_it_names() -> None:
     others += [signed(manifest, [3, 5], info).capability, signed(manifest, [34], info).capability,
                signed(msgspec.structs.replace(manifest, num_tokens=1), [3, 4], info).capability,
                signed(manifest, [3, 4], EndpointInfo("tcp", "x:1", make_record())).capability,
-               signed(manifest, [3, 4], info, STRANGER).capability]
+               signed(manifest, [3, 4], info, FrontKey.generate()).capability]
     assert cap not in others and len(set(others)) == len(others)
-    assert TEST_SECRET.capability_ok(signed(manifest, [3, 4], info), [3, 4], info.record.incarnation)
-    assert not TEST_SECRET.capability_ok(manifest, [3, 4], info.record.incarnation)  # unsigned
+    incarnation = info.record.incarnation
+    assert TEST_FRONT.public.capability_ok(signed(manifest, [3, 4], info), [3, 4], incarnation)
+    assert not TEST_FRONT.public.capability_ok(manifest, [3, 4], incarnation)  # unsigned
+    for forged in (signed(manifest, [3, 4], info, FrontKey.generate()).capability,  # another front key
+                   cap[:-2] + ("00" if cap[-2:] != "00" else "01"), cap[:64], "zz" * 64, cap + "00"):
+        assert not TEST_FRONT.public.capability_ok(msgspec.structs.replace(manifest, capability=forged), [3, 4],
+                                                   incarnation)
+    # what a worker host holds (the deployment secret, the public key) makes no capability: a MAC
+    # keyed with anything it knows is not a signature the front end's public key verifies
+    for key in (b"k" * 32, TEST_FRONT.public.raw()):
+        mac = hmac.digest(key, capability_message(manifest, [3, 4], incarnation), hashlib.sha512).hex()
+        assert not TEST_FRONT.public.capability_ok(msgspec.structs.replace(manifest, capability=mac), [3, 4],
+                                                   incarnation)

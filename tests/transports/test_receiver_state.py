@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from transport_harness import make_manifest
 
@@ -110,3 +111,26 @@ def test_a_plan_whose_page_count_does_not_fit_its_tokens_is_refused_by_count() -
     assert not s.pending(m.transfer_id)
     s.expect(m, [3, 4])
     assert s.pending(m.transfer_id)
+
+
+def test_a_signature_is_checked_once_per_transfer_unless_the_push_differs_from_what_was_armed() -> None:
+    """The capability check (an Ed25519 verification in every endpoint) runs at `expect`; a push
+    identical to the expectation (capability and dst pages included) is not verified again, while
+    any push that differs in what the capability covers is verified, and refused, first."""
+    checked: list[str] = []
+
+    def check(manifest, dst_pages) -> bool:  # type: ignore[no-untyped-def]
+        checked.append(manifest.transfer_id)
+        return manifest.capability == f"{manifest.nonce}{list(dst_pages)}"  # what a signature covers, in short
+
+    s = ReceiverState(num_pages=8, page_nbytes=64, digest="xxh3_64", capability=check)
+    m = make_manifest(2, nonce="n", capability="n[3, 4]")
+    s.expect(m, [3, 4])
+    assert s.writable(s.admit(m, [3, 4], 64)) and checked == [m.transfer_id]
+    for changed, shift in ((dict(nonce="x"), 0), (dict(capability="forged"), 0), ({}, 1)):
+        m = make_manifest(2, nonce="n", capability="n[5, 6]")
+        s.expect(m, [5, 6])
+        checked.clear()
+        pushed = msgspec.structs.replace(m, **changed)
+        assert s.admit(pushed, [5, 6 + shift], 64).reject_reason == "capability" and checked == [m.transfer_id]
+        assert s.result(m.transfer_id) == TransferResult(m.transfer_id, False, "capability")

@@ -9,11 +9,12 @@ import os
 import pytest
 from transport_harness import TEST_SECRET
 
-from kvfence.transports.core.secret import NONCE_BYTES, DeploymentSecret
+from kvfence.transports.core.secret import EPHEMERAL_BYTES, PART_BYTES, DeploymentSecret
 from kvfence.transports.wire.framing import ProtocolError
 from kvfence.transports.wire.seal import HEADER_BYTES, RECORD_MAX, TAG_BYTES, Opener, SealBroken, Sealer, sealed_nbytes
 
-NONCES = (os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES))
+NONCES = (os.urandom(PART_BYTES), os.urandom(PART_BYTES))  # each side's nonce and ephemeral key
+SHARED = os.urandom(EPHEMERAL_BYTES)  # their X25519 secret
 
 
 def records(wire: bytes) -> list[bytes]:
@@ -35,7 +36,7 @@ def open_all(opener: Opener, recs: list[bytes]) -> bytes:
 
 
 def pair(secret: DeploymentSecret = TEST_SECRET) -> tuple[Sealer, Opener]:
-    to_listener, _ = secret.session_keys("tcp", *NONCES)
+    to_listener, _ = secret.session_keys("tcp", *NONCES, SHARED)
     return Sealer(to_listener), Opener(to_listener)
 
 
@@ -82,7 +83,7 @@ def test_a_changed_stream_of_records_fails_at_the_first_change(change: str) -> N
 
 
 def test_a_record_reflected_back_or_sealed_by_a_stranger_does_not_open() -> None:
-    to_listener, to_connector = TEST_SECRET.session_keys("tcp", *NONCES)
+    to_listener, to_connector = TEST_SECRET.session_keys("tcp", *NONCES, SHARED)
     record = bytes(Sealer(to_listener).seal(b"hello"))
     with pytest.raises(SealBroken):  # the connector's own record, sent back to it
         open_all(Opener(to_connector), [record])
@@ -96,16 +97,17 @@ def test_an_announced_length_past_the_bound_is_refused_before_it_is_read() -> No
         Opener.body_nbytes((RECORD_MAX + 1).to_bytes(4, "big"))
 
 
-def test_session_keys_are_per_direction_and_bound_to_both_nonces_the_label_and_the_secret() -> None:
-    base = TEST_SECRET.session_keys("tcp", *NONCES)
+def test_session_keys_are_per_direction_and_bound_to_both_contributions_the_shared_secret_label_and_secret() -> None:
+    base = TEST_SECRET.session_keys("tcp", *NONCES, SHARED)
     assert base[0] != base[1] and all(len(k) == 32 for k in base)
-    assert base == TEST_SECRET.session_keys("tcp", *NONCES)  # both ends derive the same
-    others = [TEST_SECRET.session_keys("tcp", os.urandom(NONCE_BYTES), NONCES[1]),
-              TEST_SECRET.session_keys("tcp", NONCES[0], os.urandom(NONCE_BYTES)),
-              TEST_SECRET.session_keys("control", *NONCES),
-              TEST_SECRET.session_keys("tcp", NONCES[1], NONCES[0]),
-              DeploymentSecret.generate().session_keys("tcp", *NONCES)]
+    assert base == TEST_SECRET.session_keys("tcp", *NONCES, SHARED)  # both ends derive the same
+    others = [TEST_SECRET.session_keys("tcp", os.urandom(PART_BYTES), NONCES[1], SHARED),
+              TEST_SECRET.session_keys("tcp", NONCES[0], os.urandom(PART_BYTES), SHARED),
+              TEST_SECRET.session_keys("tcp", *NONCES, os.urandom(EPHEMERAL_BYTES)),  # without the ephemeral secret
+              TEST_SECRET.session_keys("control", *NONCES, SHARED),
+              TEST_SECRET.session_keys("tcp", NONCES[1], NONCES[0], SHARED),
+              DeploymentSecret.generate().session_keys("tcp", *NONCES, SHARED)]
     keys = {k for pair_ in [base, *others] for k in pair_}
     assert len(keys) == 2 * (1 + len(others))
-    with pytest.raises(ValueError, match="nonces"):
-        TEST_SECRET.session_keys("tcp", b"short", NONCES[1])
+    with pytest.raises(ValueError, match="contributes"):
+        TEST_SECRET.session_keys("tcp", b"short", NONCES[1], SHARED)

@@ -13,14 +13,14 @@ from contextlib import asynccontextmanager
 
 import anyio
 import pytest
-from tamper_relay import OPS, TO_CONNECTOR, TO_LISTENER, TamperingRelay, frame_namer
-from transport_harness import TEST_SECRET, Pair, page_bytes, paired
+from tamper_relay import OPS, TO_CONNECTOR, TO_LISTENER, TamperingRelay, frame_namer, keylog_in_use
+from transport_harness import Pair, page_bytes, paired
 
 from kvfence.transports.base import EndpointInfo, PairingRefused, TransferResult
 from kvfence.transports.onesided.wire import Message
 from kvfence.transports.tcp.wire import Frame
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("keylog")]
 KEEPALIVE_S = 0.4  # pings follow soon after any message, so a dropped or held last record is noticed
 HANDSHAKE_S = 1.0  # a pairing message dropped or held has no ping after it: the pairing times out
 NOTICED = ("failed authentication", "did not finish", "silent for")  # how an end says it closed
@@ -32,7 +32,7 @@ async def relayed(transport: str, *tampering: str) -> AsyncIterator[tuple[Pair, 
     """An unpaired pair of `transport` and a relay in front of its receiver; `tampering`:
     TamperingRelay's (kind, op, direction)."""
     async with paired(transport, pair=False, keepalive_s=KEEPALIVE_S, handshake_timeout_s=HANDSHAKE_S) as p:
-        with TamperingRelay(p.rx_info.address, TEST_SECRET, transport, frame_namer(PROTOCOLS[transport]),
+        with TamperingRelay(p.rx_info.address, keylog_in_use(), transport, frame_namer(PROTOCOLS[transport]),
                             *tampering) as relay:
             yield p, relay
 

@@ -10,8 +10,8 @@ import anyio
 import msgspec
 import pytest
 import torch
-from transport_harness import (TEST_SECRET, make_manifest, make_record, page_bytes, paired, raw_authenticate,
-                               raw_listen_authenticated,
+from transport_harness import (TEST_FRONT, TEST_SECRET, make_manifest, make_record, page_bytes, paired,
+                               raw_authenticate, raw_listen_authenticated,
                                recv_until_closed)
 
 from kvfence.transports.base import EndpointInfo, PairingRefused
@@ -49,7 +49,7 @@ async def test_listener_refuses_a_foreign_transport_and_hangs_up() -> None:
 
 async def test_junk_is_dropped_and_the_endpoint_keeps_serving() -> None:
     async with paired("tcp", pair=False) as p:
-        junk = b"\x00\x00\x00\x05hello" + bytes(40)  # as long as a handshake opening, but not one
+        junk = b"\x00\x00\x00\x05hello" + bytes(64)  # as long as a handshake opening, but not one
         assert await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, junk) == b""
         after_auth = b"\x00\x00\x00\x05hello"  # an authenticated peer that sends junk is dropped too
         assert await anyio.to_thread.run_sync(raw_exchange, p.rx_info.address, after_auth, True) == b""
@@ -126,7 +126,7 @@ async def test_a_failed_start_leaves_no_listener_behind() -> None:
     fds = len(os.listdir("/proc/self/fd"))
     async with anyio.create_task_group() as finished:
         pass
-    transport = TcpTransport(secret=TEST_SECRET)
+    transport = TcpTransport(secret=TEST_SECRET, front_key=TEST_FRONT.public)
     with pytest.raises(RuntimeError):
         await transport.start(finished, torch.zeros(4, 1024), make_record())
     assert len(os.listdir("/proc/self/fd")) == fds

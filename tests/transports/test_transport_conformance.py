@@ -11,7 +11,7 @@ import torch
 from transport_harness import KINDS, digests_of, make_manifest, make_record, paired, signed
 
 from kvfence.transports.base import EndpointInfo, PairingRefused, TransferResult
-from kvfence.transports.core.secret import DeploymentSecret
+from kvfence.transports.core.front_key import FrontKey
 
 pytestmark = pytest.mark.anyio
 
@@ -113,11 +113,12 @@ async def test_manifest_mismatch_writes_nothing_and_fails_the_transfer(kind: str
         p.assert_untouched()
 
 
-@pytest.mark.parametrize("field", ["lease", "nonce", "num_tokens", "dst_pages", "incarnation", "secret"])
+@pytest.mark.parametrize("field", ["lease", "nonce", "num_tokens", "dst_pages", "incarnation", "key"])
 async def test_a_push_whose_capability_does_not_verify_is_refused_and_writes_nothing(kind: str, field: str) -> None:
     """FAILURES 23: the capability of the expected transfer, on a push that changes what it covers
-    (or one minted for an earlier incarnation of the receiver, or with another secret), is refused
-    before a byte lands, and fails the expected transfer."""
+    (or one minted for an earlier incarnation of the receiver, or signed with a key that is not the
+    front end's: all a worker host could sign with), is refused before a byte lands, and fails the
+    expected transfer."""
     async with paired(kind) as p:
         expected = p.arm(make_manifest(3), [5, 6, 7])
         pushed, dst = expected, [5, 6, 7]
@@ -127,8 +128,8 @@ async def test_a_push_whose_capability_does_not_verify_is_refused_and_writes_not
             old = msgspec.structs.replace(p.rx_info, record=msgspec.structs.replace(p.rx_info.record,
                                                                                     incarnation="0" * 16))
             pushed = signed(expected, dst, old)
-        elif field == "secret":
-            pushed = signed(expected, dst, p.rx_info, DeploymentSecret.generate())
+        elif field == "key":
+            pushed = signed(expected, dst, p.rx_info, FrontKey.generate())
         else:
             pushed = msgspec.structs.replace(expected, **{field: "x" if field != "num_tokens" else 1})
         result = await p.tx.push(p.peer, pushed, [0, 1, 2], dst)

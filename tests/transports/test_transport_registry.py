@@ -9,6 +9,7 @@ import pytest
 
 from kvfence.transports import registry
 from kvfence.transports.base import TransportUnavailable
+from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.inprocess import InProcessHub, InProcessTransport
 from kvfence.transports.tcp.transport import TcpTransport
@@ -17,11 +18,13 @@ from kvfence.transports.tcp.transport import TcpTransport
 def test_builtins_resolve_and_create() -> None:
     assert registry.transport_class("tcp") is TcpTransport
     assert registry.transport_class("inprocess") is InProcessTransport
-    secret = DeploymentSecret.generate()
-    assert isinstance(registry.create_transport("tcp", host="127.0.0.1", secret=secret), TcpTransport)
-    assert isinstance(registry.create_transport("inprocess", hub=InProcessHub(), secret=secret), InProcessTransport)
+    credentials = {"secret": DeploymentSecret.generate(), "front_key": FrontKey.generate().public}
+    assert isinstance(registry.create_transport("tcp", host="127.0.0.1", **credentials), TcpTransport)
+    assert isinstance(registry.create_transport("inprocess", hub=InProcessHub(), **credentials), InProcessTransport)
     with pytest.raises(TypeError):  # no endpoint without the deployment secret
-        registry.create_transport("tcp")
+        registry.create_transport("tcp", front_key=credentials["front_key"])
+    with pytest.raises(TypeError):  # nor without the front end's public key, which verifies capabilities
+        registry.create_transport("tcp", secret=credentials["secret"])
     assert {"tcp", "inprocess", "nixl", "mooncake"} <= set(registry.known_transports())
 
 

@@ -34,14 +34,18 @@ import torch
 
 from kvfence.transports.base import EndpointInfo, PairingRecord, Peer, TransferManifest, Transport
 from kvfence.transports.core.digest import page_digest
-from kvfence.transports.core.secret import MAC_BYTES, NONCE_BYTES, DeploymentSecret
+from front_keys import FRONT
+
+from kvfence.transports.core.front_key import FrontKey
+from kvfence.transports.core.secret import MAC_BYTES, PART_BYTES, DeploymentSecret
 from kvfence.transports.inprocess import InProcessHub
 from kvfence.transports.registry import create_transport
-from kvfence.transports.wire.handshake import MAGIC
+from kvfence.transports.wire.handshake import MAGIC, contribution, opening, shared_secret
 from kvfence.transports.wire.seal import HEADER_BYTES, Opener, Sealer
 
 # The deployment secret every endpoint these tests make shares (tests of a stranger make their own).
 TEST_SECRET = DeploymentSecret.generate()
+TEST_FRONT = FRONT  # the test deployment's front end key: it signs capabilities
 LISTENING = ["tcp", "nixl", "mooncake"]  # the transports with a listening socket
 
 # A third-party transport runs the same suites on itself: install it (entry point group
@@ -81,18 +85,18 @@ def split_kind(kind: str) -> tuple[str, bool]:
 
 
 def signed(manifest: TransferManifest, dst_pages: list[int], receiver: EndpointInfo,
-           secret: DeploymentSecret = TEST_SECRET) -> TransferManifest:
+           front_key: FrontKey = TEST_FRONT) -> TransferManifest:
     """`manifest` with the capability the planner would mint for a push into `dst_pages` of `receiver`."""
     import msgspec
 
     return msgspec.structs.replace(
-        manifest, capability=secret.capability(manifest, dst_pages, receiver.record.incarnation))
+        manifest, capability=front_key.capability(manifest, dst_pages, receiver.record.incarnation))
 
 
 def make_transport(kind: str, hub: InProcessHub, page_nbytes: int = 4096, **extra: object) -> Transport:
     name, staged = split_kind(kind)
     options: dict[str, object] = {"hub": hub} if name == "inprocess" else {}
-    options.update({"secret": TEST_SECRET, **extra})
+    options.update({"secret": TEST_SECRET, "front_key": TEST_FRONT.public, **extra})
     if name in ONESIDED_PACKAGES:
         if importlib.util.find_spec(ONESIDED_PACKAGES[name]) is None:
             pytest.skip(f"{name} is not installed")
@@ -237,23 +241,23 @@ def raw_authenticate(sock: socket.socket, secret: DeploymentSecret = TEST_SECRET
                      transport: str = "tcp") -> SealedSocket:
     """The connecting side of the peer handshake over a blocking socket (what a deployment member
     sends), then sealed as it is; AssertionError when the listener's proof does not verify."""
-    connector_nonce = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + connector_nonce)
-    answer = recv_exactly(sock, NONCE_BYTES + MAC_BYTES)
-    listener_nonce, mac = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
-    assert secret.proves(mac, "listener", transport, connector_nonce, listener_nonce)
-    sock.sendall(secret.proof("connector", transport, connector_nonce, listener_nonce))
-    return SealedSocket(sock, *secret.session_keys(transport, connector_nonce, listener_nonce))
+    mine, ephemeral = contribution()
+    sock.sendall(opening(mine))
+    answer = recv_exactly(sock, PART_BYTES + MAC_BYTES)
+    theirs, mac = answer[:PART_BYTES], answer[PART_BYTES:]
+    assert secret.proves(mac, "listener", transport, mine, theirs)
+    sock.sendall(secret.proof("connector", transport, mine, theirs))
+    return SealedSocket(sock, *secret.session_keys(transport, mine, theirs, shared_secret(ephemeral, theirs)))
 
 
 def raw_listen_authenticated(conn: socket.socket, secret: DeploymentSecret = TEST_SECRET,
                              transport: str = "tcp") -> SealedSocket:
     """The listening side of the peer handshake over a blocking socket, then sealed."""
-    opening = recv_exactly(conn, len(MAGIC) + NONCE_BYTES)
-    connector_nonce, listener_nonce = opening[len(MAGIC):], os.urandom(NONCE_BYTES)
-    conn.sendall(listener_nonce + secret.proof("listener", transport, connector_nonce, listener_nonce))
-    assert secret.proves(recv_exactly(conn, MAC_BYTES), "connector", transport, connector_nonce, listener_nonce)
-    to_listener, to_connector = secret.session_keys(transport, connector_nonce, listener_nonce)
+    theirs = recv_exactly(conn, len(MAGIC) + PART_BYTES)[len(MAGIC):]
+    mine, ephemeral = contribution()
+    conn.sendall(mine + secret.proof("listener", transport, theirs, mine))
+    assert secret.proves(recv_exactly(conn, MAC_BYTES), "connector", transport, theirs, mine)
+    to_listener, to_connector = secret.session_keys(transport, theirs, mine, shared_secret(ephemeral, theirs))
     return SealedSocket(conn, to_connector, to_listener)
 
 

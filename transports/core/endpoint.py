@@ -16,6 +16,7 @@ from kvfence.transports.base import (
 )
 from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES, PoolBytes
 from kvfence.transports.core.receiver import Receiver
+from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.core.sender_state import OutgoingPushes
 
@@ -42,14 +43,17 @@ def check_pair(mine: EndpointInfo, peer: EndpointInfo, refusal: str | None, thei
 
 class Endpoint(Transport):
     """Base of the built-in transports. Subclasses implement start/pair/push/health/aclose and
-    call `_register` from `start`. `secret`: the deployment's (core/secret.py); the receiver checks
+    call `_register` from `start`. `secret`: the deployment's (core/secret.py), which peers prove;
+    `front_key`: the front end's public key (core/front_key.py); the receiver checks
     every capability with it against this endpoint's incarnation."""
 
-    def __init__(self, *, secret: DeploymentSecret, stage_through_host: bool | None = None,
+    def __init__(self, *, secret: DeploymentSecret, front_key: FrontPublicKey, stage_through_host: bool | None = None,
                  stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
         if not isinstance(secret, DeploymentSecret):
             raise TypeError(f"secret must be a DeploymentSecret, not {type(secret).__name__}")
-        self.secret = secret
+        if not isinstance(front_key, FrontPublicKey):
+            raise TypeError(f"front_key must be a FrontPublicKey, not {type(front_key).__name__}")
+        self.secret, self.front_key = secret, front_key
         self.stage_through_host = stage_through_host
         self.stage_chunk_bytes = stage_chunk_bytes
         self._pool_bytes: PoolBytes | None = None
@@ -72,9 +76,9 @@ class Endpoint(Transport):
             raise RuntimeError(f"{self.name} transport already started")
         pool_bytes = PoolBytes(memory, record, stage_through_host=self.stage_through_host,
                                stage_chunk_bytes=self.stage_chunk_bytes)
-        secret, incarnation = self.secret, record.incarnation
+        front_key, incarnation = self.front_key, record.incarnation
         self._pool_bytes = pool_bytes
-        self._receiver = Receiver(pool_bytes, lambda m, dst: secret.capability_ok(m, dst, incarnation),
+        self._receiver = Receiver(pool_bytes, lambda m, dst: front_key.capability_ok(m, dst, incarnation),
                                   page_size_tokens=record.page_size_tokens)
         return pool_bytes
 

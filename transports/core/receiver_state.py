@@ -6,9 +6,11 @@ Per transfer id:  EXPECTED --admit--> RECEIVING --finish/abort--> FINISHED
 
 `admit` decides whether a push may land in the pool: only an EXPECTED transfer whose manifest
 (transfer_id, lease, nonce, num_pages, num_tokens, capability), page size and dst pages equal what
-was expected. With a `capability` check (every endpoint has one: the deployment secret's MAC, see
-core/secret.py), `expect` refuses a manifest whose capability does not verify for its dst pages, and
-`admit` refuses such a push ("capability") before anything else; when it names an expected
+was expected. With a `capability` check (every endpoint has one: the front end's signature, see
+core/front_key.py), `expect` refuses a manifest whose capability does not verify for its dst pages,
+and `admit` refuses such a push ("capability") before anything else (a push identical to the
+expectation it names, capability and dst pages included, was verified at `expect`: the signature is
+not checked twice over the same bytes); when it names an expected
 transfer, that transfer fails with it (the push that arrived for it is not the planned one).
 Any other push gets a rejected `Admission` (its bytes must be read into scratch and dropped). A
 push that names an expected transfer but does not match it fails that transfer.
@@ -29,6 +31,11 @@ from dataclasses import dataclass
 
 from kvfence.transports.base import TransferManifest, TransferResult
 from kvfence.transports.core.pool_bytes import check_pages
+
+
+def _covered(manifest: TransferManifest) -> tuple[object, ...]:
+    """The fields of a manifest its capability covers, with the capability itself."""
+    return manifest.lease, manifest.nonce, manifest.num_pages, manifest.num_tokens, manifest.capability
 
 
 @dataclass(eq=False)
@@ -108,7 +115,9 @@ class ReceiverState:
         def rejected(reason: str) -> Admission:
             return Admission(tid, tuple(dst_pages), manifest.num_pages, tuple(manifest.digests), reason)
 
-        if self._capability is not None and not self._capability(manifest, dst_pages):
+        armed = self._expected.get(tid)
+        verified = armed is not None and tuple(dst_pages) == armed[1] and _covered(manifest) == _covered(armed[0])
+        if self._capability is not None and not verified and not self._capability(manifest, dst_pages):
             if (entry := self._expected.pop(tid, None)) is not None:  # a push of it that nobody planned
                 self._reserved.difference_update(entry[1])
                 self._record(TransferResult(tid, False, "capability"))

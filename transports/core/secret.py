@@ -1,9 +1,9 @@
-"""The deployment secret: the proofs of the mutual authentication of transport peers, and push
-capabilities.
+"""The deployment secret: the credential every member of a deployment holds, for the mutual
+authentication of peers, the keys that seal their connections, and signed registrations.
 
 Every process of one deployment holds the same secret (generated per process when both workers
 live in it; read from `--transport-secret-file` when they do not). It never crosses the wire.
-Four keys are derived from it, one per use, so a MAC made for one purpose is never valid for
+Three keys are derived from it, one per use, so a MAC made for one purpose is never valid for
 another.
 
 Peer authentication: each side proves it knows the secret by `proof(role, transport, nonce_c,
@@ -13,41 +13,38 @@ exchange over a connection is wire/handshake.py's; the in-process transport make
 without a wire.
 
 Session keys: once a handshake succeeds, both ends derive the keys that seal the rest of the
-connection (wire/seal.py) by HKDF-SHA256 from the session key, salted with both nonces and bound to
-the transport label: one key per direction, fresh for every connection, known to nobody who does
-not hold the secret, so a relay that forwarded the handshake can neither read nor write what follows.
+connection (wire/seal.py) by HKDF-SHA256 from the session key and the handshake's X25519 shared
+secret, salted with both sides' contributions and bound to the transport label: one key per
+direction, fresh for every connection, known to nobody but the two ends, so a relay that forwarded
+the handshake can neither read nor write what follows, even one that holds the secret.
 
 Registrations: a worker's etcd registration carries a MAC over its key and value
 (app/membership.py), so a front end dials only workers of its own deployment.
 
-A capability is a MAC, minted where a transfer is planned, over what the push may do: the
-transfer id, the destination lease, the destination pages, the token count, the nonce and the
-receiver's incarnation. The receiver recomputes it with its own incarnation before it arms a
-transfer and before it admits a push (transports/core/receiver_state.py), so a push planned for
-another lease, other pages, another nonce or an earlier incarnation of the receiver is refused.
+Every holder of the secret can do all of the above, so what only a front end may do (mint a push's
+capability, drive a worker over its control channel) is signed with a key workers do not hold
+(core/front_key.py).
 """
 
 from __future__ import annotations
 
-import array
 import hashlib
 import hmac
 import logging
 import os
 import secrets
 import stat
-from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from kvfence.transports.base import TransferManifest
-
 log = logging.getLogger(__name__)
 
 SECRET_MIN_BYTES = 32
 NONCE_BYTES = 32
+EPHEMERAL_BYTES = 32  # an X25519 public key, and the shared secret
+PART_BYTES = NONCE_BYTES + EPHEMERAL_BYTES  # what each side of a handshake contributes
 MAC_BYTES = 32  # HMAC-SHA256
 SESSION_KEY_BYTES = 32  # AES-256-GCM, one key per direction
 
@@ -59,14 +56,13 @@ class AuthenticationFailed(ConnectionError):
 class DeploymentSecret:
     """The secret of one deployment; `repr` never shows it."""
 
-    __slots__ = ("_auth_key", "_capability_key", "_registration_key", "_session_key")
+    __slots__ = ("_auth_key", "_registration_key", "_session_key")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < SECRET_MIN_BYTES:
             raise ValueError(f"a deployment secret needs at least {SECRET_MIN_BYTES} bytes, got {len(secret)}; "
                              f"make one with: head -c 32 /dev/urandom | base64 > secret && chmod 600 secret")
         self._auth_key = hmac.digest(secret, b"kvfence peer authentication v1", hashlib.sha256)
-        self._capability_key = hmac.digest(secret, b"kvfence push capability v1", hashlib.sha256)
         self._session_key = hmac.digest(secret, b"kvfence session keys v1", hashlib.sha256)
         self._registration_key = hmac.digest(secret, b"kvfence registration v1", hashlib.sha256)
 
@@ -105,13 +101,15 @@ class DeploymentSecret:
     def proves(self, mac: bytes, role: str, transport: str, connector_nonce: bytes, listener_nonce: bytes) -> bool:
         return hmac.compare_digest(mac, self.proof(role, transport, connector_nonce, listener_nonce))
 
-    def session_keys(self, transport: str, connector_nonce: bytes, listener_nonce: bytes) -> tuple[bytes, bytes]:
-        """The keys sealing the connection whose handshake used these nonces: (connector to
+    def session_keys(self, transport: str, connector_part: bytes, listener_part: bytes,
+                     shared: bytes) -> tuple[bytes, bytes]:
+        """The keys sealing the connection whose handshake exchanged these contributions (each a
+        nonce and an ephemeral key) and reached the ephemeral `shared` secret: (connector to
         listener, listener to connector)."""
-        if len(connector_nonce) != NONCE_BYTES or len(listener_nonce) != NONCE_BYTES:
-            raise ValueError(f"handshake nonces have {NONCE_BYTES} bytes")
-        keys = HKDF(SHA256(), 2 * SESSION_KEY_BYTES, salt=connector_nonce + listener_nonce,
-                    info=b"kvfence session v1|" + transport.encode()).derive(self._session_key)
+        if len(connector_part) != PART_BYTES or len(listener_part) != PART_BYTES or len(shared) != EPHEMERAL_BYTES:
+            raise ValueError(f"a handshake contributes {PART_BYTES} bytes a side and shares {EPHEMERAL_BYTES}")
+        keys = HKDF(SHA256(), 2 * SESSION_KEY_BYTES, salt=connector_part + listener_part,
+                    info=b"kvfence session v2|" + transport.encode()).derive(self._session_key + shared)
         return keys[:SESSION_KEY_BYTES], keys[SESSION_KEY_BYTES:]
 
     # -- membership ------------------------------------------------------------------------
@@ -121,18 +119,3 @@ class DeploymentSecret:
 
     def registration_ok(self, mac: str, key: bytes, value: bytes) -> bool:
         return hmac.compare_digest(mac.encode(), self.registration_mac(key, value).encode())
-
-    # -- capabilities ----------------------------------------------------------------------
-    def capability(self, manifest: TransferManifest, dst_pages: Sequence[int], receiver_incarnation: str) -> str:
-        """The capability of a push of `manifest` into `dst_pages` of that receiver incarnation (hex)."""
-        fields = "\0".join((manifest.transfer_id, manifest.lease, manifest.nonce, receiver_incarnation,
-                            str(manifest.num_tokens), str(manifest.num_pages), ""))
-        pages = array.array("q", dst_pages).tobytes()  # OverflowError past int64: never a page
-        return hmac.digest(self._capability_key, fields.encode() + pages, hashlib.sha256).hex()
-
-    def capability_ok(self, manifest: TransferManifest, dst_pages: Sequence[int], receiver_incarnation: str) -> bool:
-        try:
-            want = self.capability(manifest, dst_pages, receiver_incarnation)
-        except (OverflowError, TypeError):  # pages no planner could have named
-            return False
-        return hmac.compare_digest(manifest.capability, want)

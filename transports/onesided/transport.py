@@ -49,6 +49,7 @@ from anyio.abc import TaskGroup
 
 from kvfence.transports.base import (EndpointInfo, PairingRecord, Peer, TransferManifest,
                                      TransferResult, TransportUnavailable)
+from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.data_plane import DataPlane, WriteState
 from kvfence.transports.onesided.link import Link
@@ -96,11 +97,12 @@ class OneSidedTransport(ListeningEndpoint):
     _max_hello_bytes: ClassVar[int] = MAX_HELLO
 
     def __init__(self, plane: DataPlane, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
+                 front_key: FrontPublicKey,
                  handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
                  max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
                  cancel_ack_timeout_s: float = 5.0, write_chunk_bytes: int = 8 << 20,
                  poll_interval_s: float = 0.001) -> None:
-        super().__init__(host, port, secret=secret, handshake_timeout_s=handshake_timeout_s,
+        super().__init__(host, port, secret=secret, front_key=front_key, handshake_timeout_s=handshake_timeout_s,
                          keepalive_s=keepalive_s, max_connections=max_connections,
                          max_unauthenticated=max_unauthenticated, stage_through_host=False)
         for what, value in (("write_chunk_bytes", write_chunk_bytes), ("cancel_ack_timeout_s", cancel_ack_timeout_s),

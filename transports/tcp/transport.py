@@ -29,6 +29,7 @@ from anyio.abc import TaskGroup
 
 from kvfence.transports.base import EndpointInfo, PairingRecord, Peer, TransferManifest, TransferResult
 from kvfence.transports.core.pool_bytes import DEFAULT_STAGE_CHUNK_BYTES
+from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.tcp.receive import serve_connection
 from kvfence.transports.tcp.send import SenderConnection
@@ -65,7 +66,7 @@ class TcpTransport(ListeningEndpoint):
     _messages: ClassVar[Any] = Frame
     _max_hello_bytes: ClassVar[int] = MAX_HELLO
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret, front_key: FrontPublicKey,
                  handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
                  max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
                  stage_through_host: bool | None = None,
@@ -73,7 +74,7 @@ class TcpTransport(ListeningEndpoint):
         """`host`/`port`: where it listens (loopback unless told otherwise; 0: an ephemeral port).
         `secret`, `handshake_timeout_s`, `keepalive_s`, `max_connections`, `max_unauthenticated`:
         see ListeningEndpoint."""
-        super().__init__(host, port, secret=secret, handshake_timeout_s=handshake_timeout_s,
+        super().__init__(host, port, secret=secret, front_key=front_key, handshake_timeout_s=handshake_timeout_s,
                          keepalive_s=keepalive_s, max_connections=max_connections,
                          max_unauthenticated=max_unauthenticated,
                          stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 # the install hint, transports/registry.py) where the engine or its system libraries are missing.
 import mooncake.engine  # noqa: F401
 
+from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.mooncake.plane import MooncakePlane
 from kvfence.transports.onesided.transport import OneSidedTransport
@@ -25,7 +26,8 @@ from kvfence.transports.onesided.transport import OneSidedTransport
 class MooncakeTransport(OneSidedTransport):
     name: ClassVar[str] = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret, protocol: str = "tcp",
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
+                 front_key: FrontPublicKey, protocol: str = "tcp",
                  device_name: str = "", write_chunk_bytes: int = 64 << 20, **options: Any) -> None:
         """`host`/`port`: where the control channel listens (0: an ephemeral port); the engine is
         reached at `host` too. `protocol`: "tcp" or "rdma"; `device_name`: RDMA devices,
@@ -33,5 +35,5 @@ class MooncakeTransport(OneSidedTransport):
         wait for writes in flight to end. `write_chunk_bytes`: the most one write moves (the engine
         copies in its own threads, so chunks only bound how much a cancel must wait for). `secret`
         and the other `options` (timeouts, keep-alive, connection cap): see OneSidedTransport."""
-        super().__init__(MooncakePlane(protocol, device_name, host), host, port, secret=secret,
+        super().__init__(MooncakePlane(protocol, device_name, host), host, port, secret=secret, front_key=front_key,
                          write_chunk_bytes=write_chunk_bytes, **options)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.nixl.plane import NixlPlane
 from kvfence.transports.onesided.transport import OneSidedTransport
@@ -20,11 +21,12 @@ from kvfence.transports.onesided.transport import OneSidedTransport
 class NixlTransport(OneSidedTransport):
     name: ClassVar[str] = "nixl"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret, backend: str = "UCX",
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: DeploymentSecret,
+                 front_key: FrontPublicKey, backend: str = "UCX",
                  **options: Any) -> None:
         """`host`/`port`: where the control channel listens (0: an ephemeral port).
         `cancel_ack_timeout_s`: how long `cancel` (and `aclose`) wait for writes in flight to end.
         `write_chunk_bytes`: the most one write moves (see OneSidedTransport). `backend`: the NIXL
         backend plugin. `secret` and the other `options` (timeouts, keep-alive, connection cap,
         write chunks): see OneSidedTransport."""
-        super().__init__(NixlPlane(backend, host), host, port, secret=secret, **options)
+        super().__init__(NixlPlane(backend, host), host, port, secret=secret, front_key=front_key, **options)
