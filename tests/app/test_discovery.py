@@ -37,7 +37,7 @@ def test_serve_refuses_bad_discovery_before_loading(capsys: pytest.CaptureFixtur
     assert "--discovery" in capsys.readouterr().err
 
 
-def test_a_worker_process_needs_a_network_transport_and_the_secret(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_worker_process_needs_a_network_transport_the_secret_and_the_front_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
     config = ServeConfig()
     with pytest.raises(ValueError, match="--role"):
         check_worker_settings(config, "colocated")
@@ -51,5 +51,9 @@ def test_a_worker_process_needs_a_network_transport_and_the_secret(tmp_path) -> 
         check_worker_settings(listed, "decode")
     secret = tmp_path / "s"
     secret.write_text("ab" * 32)
-    ok = dataclasses.replace(config, transport=dataclasses.replace(config.transport, secret_file=str(secret)))
+    secret_only = dataclasses.replace(config, transport=dataclasses.replace(config.transport, secret_file=str(secret)))
+    with pytest.raises(ValueError, match="--front-public-key-file"):  # it takes steps only from its front end
+        check_worker_settings(secret_only, "decode")
+    ok = dataclasses.replace(secret_only, transport=dataclasses.replace(secret_only.transport,
+                                                                        front_public_key_file=str(tmp_path / "f")))
     check_worker_settings(ok, "decode")
