@@ -334,18 +334,10 @@ def _status(args: argparse.Namespace) -> int:
 
 def _front_key(args: argparse.Namespace) -> int:
     """Write a fresh key pair; refuses to overwrite either file."""
-    import os
-
     from kvfence.transports.core.front_key import FrontKey
 
-    for path in (args.key, args.public):
-        if path.exists():
-            raise ValueError(f"{path} exists; remove it or choose another path (a front key is never overwritten)")
     key = FrontKey.generate()
-    fd = os.open(args.key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.pem())
-    args.public.write_bytes(key.public.pem())
+    key.write(args.key, args.public)
     print(f"front end key {args.key} (for --front-key-file, front ends only) and its public half {args.public} "
           f"(for --front-public-key-file, every worker); fingerprint {key.public.fingerprint}")
     return 0

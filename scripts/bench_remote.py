@@ -124,11 +124,8 @@ class Namespaces:
 
 def write_front_key(directory: Path) -> tuple[Path, Path]:
     """A fresh front end key pair in `directory`: (private, public), as `kvfence front-key` writes."""
-    key = FrontKey.generate()
     private, public = directory / "front.key", directory / "front.pub"
-    private.write_bytes(key.pem())
-    private.chmod(0o600)
-    public.write_bytes(key.public.pem())
+    FrontKey.generate().write(private, public)
     return private, public
 
 

@@ -139,11 +139,8 @@ def front_key_files(directory: Path, name: str = "front") -> tuple[Path, Path]:
     owner; public)."""
     from kvfence.transports.core.front_key import FrontKey
 
-    key = FrontKey.generate()
     private, public = directory / f"{name}.key", directory / f"{name}.pub"
-    private.write_bytes(key.pem())
-    private.chmod(0o600)
-    public.write_bytes(key.public.pem())
+    FrontKey.generate().write(private, public)
     return private, public
 
 

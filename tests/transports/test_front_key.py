@@ -120,9 +120,10 @@ async def test_a_kv_connection_is_not_a_control_connection() -> None:
 def test_key_files_round_trip_and_bad_ones_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     key = FrontKey.generate()
     private, public = tmp_path / "front.key", tmp_path / "front.pub"
-    private.write_bytes(key.pem())
-    private.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    public.write_bytes(key.public.pem())
+    key.write(private, public)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    with pytest.raises(ValueError, match="never overwritten"):
+        key.write(tmp_path / "other.key", public)
     loaded, verifier = FrontKey.from_file(private), FrontPublicKey.from_file(public)
     assert verifier.raw() == key.public.raw() == loaded.public.raw()
     assert verifier.control_ok(loaded.sign_control(b"t"), b"t")

@@ -146,6 +146,17 @@ class FrontKey:
                              f"with: kvfence front-key)")
         return cls(key)
 
+    def write(self, key_path: str | os.PathLike[str], public_path: str | os.PathLike[str]) -> None:
+        """Write the private key (PEM, mode 600) and its public half; ValueError when either file
+        exists (a front key is never overwritten)."""
+        for path in (key_path, public_path):
+            if Path(path).exists():
+                raise ValueError(f"{path} exists; remove it or choose another path (a front key is never overwritten)")
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.pem())
+        Path(public_path).write_bytes(self.public.pem())
+
     def pem(self) -> bytes:
         return self._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption())
