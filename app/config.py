@@ -67,6 +67,9 @@ class ServerConfig(Settings):
     stall_timeout_s: float = setting(30.0, "seconds a streaming client may read nothing before its request is "
                                            "aborted", above=0)
     shutdown_timeout_s: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM", at_least=0)
+    grammar_compile_timeout_s: float = setting(1.0, "seconds a request's JSON schema may take to compile (in a "
+                                                    "process of its own, killed past it: the request gets 400)",
+                                               above=0, at_most=60)
     api_keys: str | None = setting(None, "TOML file of tenants: their API keys (as SHA-256 digests) and limits, "
                                          "and the admin key for /metrics (app/api_keys.py); without it every "
                                          "request is the anonymous tenant")

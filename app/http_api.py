@@ -12,6 +12,9 @@ Contracts:
   whatever it tokenizes to is refused without being tokenized (`app/prompt_tokens.py`).
 - No exception text of a worker or a transport reaches a client (`http_errors.for_client`); the
   log has it.
+- A grammar (`response_format`, a tool call) is bounded in shape while the body is prepared
+  (app/grammar_bounds.py) and compiled by `GrammarCompiler` (app/grammar_compiler.py) before
+  submit: in a process with a time budget, never on the event loop, kept per tenant.
 - With API keys on (app/api_keys.py), every /v1 route answers 401 `invalid_api_key` to a missing
   or wrong key before it reads the body, and /metrics wants the admin key; the tenant a request
   runs as is the one its key authenticates, never anything in its body.
@@ -19,6 +22,7 @@ Contracts:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +43,7 @@ from kvfence.app.api_keys import ApiKeys
 from kvfence.app.client_id import EchoRequestId, client_request_id
 from kvfence.app.engine_client import EngineClient
 from kvfence.app.generation_response import GenerationResponse, Prepared
+from kvfence.app.grammar_compiler import DEFAULT_BUDGET_S, GrammarCompiler
 from kvfence.app.http_errors import (context_too_long, decode_body, error_response, from_sampling_error,
                                      http_exception_handler, model_not_found, server_error_handler)
 from kvfence.app.prompt_tokens import PromptEncoder, chat_text
@@ -67,12 +72,13 @@ class _Api:
     """The route handlers of one app; holds the engine, one JSON encoder and the decoders."""
 
     def __init__(self, engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None,
-                 max_body_bytes: int, stall_timeout_s: float, api_keys: ApiKeys) -> None:
+                 max_body_bytes: int, stall_timeout_s: float, api_keys: ApiKeys, grammars: GrammarCompiler) -> None:
         if max_body_bytes <= 0 or stall_timeout_s <= 0:
             raise ValueError(f"max_body_bytes and stall_timeout_s must be > 0, got {max_body_bytes} and "
                              f"{stall_timeout_s}")
         self.engine = engine
         self.keys = api_keys
+        self.grammars = grammars
         self.metrics_text = metrics_text
         self.max_body_bytes, self.stall_timeout_s = max_body_bytes, stall_timeout_s
         self.prompts = PromptEncoder(engine.tokenizer)
@@ -99,6 +105,7 @@ class _Api:
             return self._unauthorized("a valid API key")
         try:
             prep = await self._from_body(request, lambda body: self._prepare(body, chat))
+            prep = await self._compile_grammar(prep, tenant.name)
             handles = self.engine.submit_samples(prep.prompt_ids, prep.samples(), tenant, prep.cache_salt)
             log.info("request %s admitted: tenant %s, %d prompt tokens, %d samples, client request id %r, user %r",
                      handles[0].request_id, tenant.name, len(prep.prompt_ids), len(handles),
@@ -106,6 +113,17 @@ class _Api:
         except (RefusedBody, ClientDisconnect, RequestError) as refused:
             return self._refusal(refused)
         return GenerationResponse(handles, prep, self.encoder, self.stall_timeout_s, self.pieces)
+
+    async def _compile_grammar(self, prep: Prepared, tenant: str) -> Prepared:
+        """`prep` with its grammar compiled for `tenant` (app/grammar_compiler.py), or as it is
+        when it has none; RequestError when the grammar cannot be compiled within the budget."""
+        spec = prep.sampling.grammar
+        if spec is None:
+            return prep
+        param = "tools" if prep.tools is not None else "response_format.json_schema.schema"
+        compiled = await self.grammars.compile(tenant, spec, param)
+        return dataclasses.replace(prep, sampling=dataclasses.replace(prep.sampling, grammar_key=compiled.key,
+                                                                      compiled_grammar=compiled))
 
     async def _from_body(self, request: Request, work: Callable[[bytes], _T]) -> _T:
         """`work(body)`: on the event loop up to INLINE_BODY_BYTES, else in a worker thread (at most
@@ -273,14 +291,18 @@ def _check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
 
 def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-              api_keys: ApiKeys | None = None) -> Starlette:
+              api_keys: ApiKeys | None = None, grammars: GrammarCompiler | None = None) -> Starlette:
     """The OpenAI-compatible app: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
     GET /v1/models/{model}, POST /tokenize and POST /detokenize (vLLM's; app/token_routes.py),
     GET /health, GET /ready (503 + Retry-After while not ready), GET /metrics (`metrics_text()`
     -> (body, content type); 404 when None). `max_body_bytes`: longest request body (413 past it);
     `stall_timeout_s`: how long a response may be unable to send before its request is aborted;
-    `api_keys`: who may call it (None: no keys, every request the anonymous tenant)."""
-    api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s, api_keys or ApiKeys())
+    `api_keys`: who may call it (None: no keys, every request the anonymous tenant); `grammars`:
+    what compiles requests' grammars (None: one for the tokenizer's vocabulary, with the default
+    budget)."""
+    if grammars is None:
+        grammars = GrammarCompiler(engine.tokenizer, engine.tokenizer.vocab_size, budget_s=DEFAULT_BUDGET_S)
+    api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s, api_keys or ApiKeys(), grammars)
     tokens = TokenRoutes(api)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),

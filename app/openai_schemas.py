@@ -21,7 +21,8 @@ from typing import Any
 from msgspec import UNSET, Struct
 
 from kvfence.app.tools import NamedToolChoice, Tool, ToolCall, message_calls
-from kvfence.engine.grammar import check_grammar, grammar_spec
+from kvfence.app.grammar_bounds import check_schema
+from kvfence.engine.grammar import grammar_spec
 from kvfence.scheduler.errors import RequestError
 
 FORBIDDEN_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
@@ -308,7 +309,8 @@ def logprobs_requested(req: ChatCompletionRequest | CompletionRequest) -> int | 
 def grammar(req: ChatCompletionRequest | CompletionRequest) -> str | None:
     """The grammar `response_format` asks the output to follow (engine/grammar.py), or None for
     text. Raises RequestError(400) naming the field: an unknown type, a json_schema without a
-    schema, a schema that cannot be compiled, or `ignore_eos` beside it (a grammar ends with EOS)."""
+    schema, a schema past the shape limits (app/grammar_bounds.py), or `ignore_eos` beside it (a
+    grammar ends with EOS). Compiling it is app/grammar_compiler.py's, later."""
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -318,11 +320,8 @@ def grammar(req: ChatCompletionRequest | CompletionRequest) -> str | None:
         if fmt.json_schema is None or not isinstance(fmt.json_schema.schema, (dict, bool)):
             raise invalid("response_format.json_schema.schema", "a json_schema response format needs "
                           "json_schema.schema: a JSON Schema object", "missing_required_parameter")
+        check_schema(fmt.json_schema.schema, "response_format.json_schema.schema")
         spec = grammar_spec("json_schema", fmt.json_schema.schema, bool(fmt.json_schema.strict))
-        try:
-            check_grammar(spec)
-        except ValueError as e:
-            raise invalid("response_format.json_schema.schema", f"the JSON schema cannot be used: {e}") from e
     else:
         raise invalid("response_format.type", f"response_format.type must be 'text', 'json_object' or "
                                               f"'json_schema', got {fmt.type!r}")

@@ -315,7 +315,8 @@ async def serve_remote(config: ServeConfig, checkpoint: Checkpoint, model_name: 
             tg.start_soon(_follow_etcd, fleet, *discovery.etcd, secret, name="etcd-membership")
         workers = ", ".join(f"{w.role} at {a}" for a, w in fleet.workers.items())
         await serve_http(tg, config, model_name, checkpoint.tokenizer, scheduler, fleet.reference,
-                         f"disaggregated: {len(scheduler.core.pairs)} pairs of workers ({workers})")
+                         f"disaggregated: {len(scheduler.core.pairs)} pairs of workers ({workers})",
+                         checkpoint.config.vocab_size)
         fleet.close()
         tg.cancel_scope.cancel()
     return 0

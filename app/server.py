@@ -18,6 +18,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from kvfence.app.config import ServeConfig
 from kvfence.app.api_keys import ApiKeys
+from kvfence.app.grammar_compiler import GrammarCompiler
 from kvfence.app.http_api import build_app
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.app.readiness import ReadinessCanary, Reference, local_reference
@@ -134,7 +135,7 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
         reference = local_reference(workers.compute_of(workers.prefill), workers.prefill.runner.model,
                                     checkpoint.tokenizer, config.pools.page_size_tokens)
         await serve_http(tg, config, model_name, checkpoint.tokenizer, scheduler, reference,
-                         "disaggregated" if workers.decode is not None else "colocated")
+                         "disaggregated" if workers.decode is not None else "colocated", checkpoint.config.vocab_size)
         for t in transports:
             await t.aclose()
         tg.cancel_scope.cancel()
@@ -142,8 +143,9 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
 
 
 async def serve_http(tg: anyio.abc.TaskGroup, config: ServeConfig, model_name: str, tokenizer: Tokenizer,
-                     scheduler: Scheduler, reference: Reference, mode: str) -> None:
-    """Run the scheduler, the readiness canary and the HTTP API in `tg` until SIGTERM/SIGINT drained."""
+                     scheduler: Scheduler, reference: Reference, mode: str, vocab_size: int) -> None:
+    """Run the scheduler, the readiness canary and the HTTP API in `tg` until SIGTERM/SIGINT
+    drained. `vocab_size`: the model's logits width (what grammars are compiled for)."""
     await scheduler.run(tg)
     scheduler_config = scheduler.config
     canary = ReadinessCanary(scheduler, tokenizer, reference, interval_s=config.canary.interval_s,
@@ -156,8 +158,10 @@ async def serve_http(tg: anyio.abc.TaskGroup, config: ServeConfig, model_name: s
         return metrics.render()
 
     http = config.server
+    grammars = GrammarCompiler(tokenizer, vocab_size, budget_s=http.grammar_compile_timeout_s)
+    grammars.start()
     app = build_app(engine, metrics_text, max_body_bytes=http.max_body_bytes, stall_timeout_s=http.stall_timeout_s,
-                    api_keys=ApiKeys.load(http.api_keys))
+                    api_keys=ApiKeys.load(http.api_keys), grammars=grammars)
     hyper = HypercornConfig()
     hyper.bind = [f"{http.host}:{http.port}"]
     hyper.accesslog = None
@@ -177,3 +181,4 @@ async def serve_http(tg: anyio.abc.TaskGroup, config: ServeConfig, model_name: s
 
     tg.start_soon(run_http, name="http")
     await served.wait()
+    grammars.close()

@@ -12,7 +12,9 @@
   calls the model wrote are read from it, and any text before them is the message's content.
   `"none"`: the tools are only rendered.
 - Tool schemas are checked at the API: a name used twice, a named choice no tool has, or
-  parameters that are not a compilable JSON schema are 400s naming the field.
+  parameters past the shape limits (app/grammar_bounds.py) are 400s naming the field; the one
+  grammar a call needs is compiled within a budget (app/grammar_compiler.py), so a schema that
+  cannot be compiled is a 400 only where a grammar is used ("required", a named function).
 
 A call's id is minted here (`call_` + 24 hex digits); nothing of it comes from the client.
 """
@@ -27,7 +29,8 @@ from typing import Any
 from msgspec import Struct
 
 from kvfence.app.tool_parsers import call_syntax, split_calls
-from kvfence.engine.grammar import check_grammar, grammar_spec
+from kvfence.app.grammar_bounds import check_tools
+from kvfence.engine.grammar import grammar_spec
 from kvfence.scheduler.errors import RequestError
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -95,18 +98,14 @@ def plan_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | No
         if tool_choice not in (None, "none", "auto"):
             raise _invalid("tool_choice", "tool_choice needs tools")
         return None
+    check_tools([EMPTY_PARAMETERS if t.function.parameters is None else t.function.parameters for t in tools])
     params: dict[str, Any] = {}
     for i, tool in enumerate(tools):
         if tool.type != "function":
             raise _invalid(f"tools[{i}].type", f"only function tools are supported, got {tool.type!r}")
         if tool.function.name in params:
             raise _invalid(f"tools[{i}].function.name", f"two tools are named {tool.function.name!r}")
-        schema = EMPTY_PARAMETERS if tool.function.parameters is None else tool.function.parameters
-        try:
-            check_grammar(grammar_spec("json_schema", schema, strict=True))
-        except ValueError as e:
-            raise _invalid(f"tools[{i}].function.parameters", f"the parameters schema cannot be used: {e}") from e
-        params[tool.function.name] = schema
+        params[tool.function.name] = EMPTY_PARAMETERS if tool.function.parameters is None else tool.function.parameters
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return None

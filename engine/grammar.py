@@ -9,48 +9,105 @@ docs/benchmarks.md). JSON is
 generated compact (no whitespace between tokens of the syntax), which keeps a small model from
 wandering into whitespace.
 
+Compiling is where a grammar costs: a crafted schema can take seconds to minutes. So the front end
+bounds a schema's shape before anything else (app/grammar_bounds.py), then compiles it in a
+process it can kill (app/grammar_compiler.py: a time budget) and keeps the result per tenant.
+What it compiled lives in this process as a `Compiled` (found by its `key`, which names the tenant
+and the text, while any request holds it): a worker in the same process takes it from there and
+never compiles. A worker in another process compiles the text the lease's first sampling step
+carries (`LeaseGrammars`), once per key (LRU): the front end has already seen that text compile
+within its budget.
+
 The worker that samples a request keeps one matcher per lease (`LeaseGrammars`), built from the
 lease's history on its first sampling step and advanced by the output tokens each later step
-feeds, exactly like the penalty counts (engine/token_counts.py); compiled grammars are cached per
-worker (LRU), so a schema compiles once. The mask is applied to the logits before bias, penalties
-and sampling; logprobs stay those of the model's own distribution.
+feeds, exactly like the penalty counts (engine/token_counts.py). The mask is applied to the
+logits before bias, penalties and sampling; logprobs stay those of the model's own distribution.
+A row whose grammar allows no token at all is a dead end the request's own schema led into: it
+gets no token and its request ends with 400, alone (`apply_grammars`, engine/runner.py).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import re
+import weakref
 from typing import Any
 
 import torch
 
 from kvfence.engine.tokenizer import Tokenizer
 
-MAX_COMPILED = 64  # compiled grammars a worker keeps
+MAX_COMPILED = 64  # grammars a worker in another process than the front end keeps compiled
 _ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: "
 
 
 def grammar_spec(kind: str, schema: Any = None, strict: bool = False) -> str:
-    """The canonical text of a grammar (what `SamplingParams.grammar` holds and workers cache by)."""
+    """The canonical text of a grammar (what `SamplingParams.grammar` holds)."""
     if kind == "json_object":
         return json.dumps({"type": "json_object"})
     return json.dumps({"type": "json_schema", "schema": schema, "strict": bool(strict)}, sort_keys=True,
                       separators=(",", ":"))
 
 
-def check_grammar(spec: str) -> None:
-    """Raise ValueError (its message says what is wrong) when `spec` cannot be compiled."""
+def grammar_key(spec: str, scope: str = "") -> str:
+    """The name a compiled grammar is known by: a digest of `scope` (the front end's: the tenant)
+    and the text. Steps carry it instead of the text."""
+    return hashlib.sha256(f"{scope}\0{spec}".encode()).hexdigest()[:32]
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
+    """xgrammar's view of the vocabulary: every token's bytes, `vocab_size` logits wide."""
+    import xgrammar as xgr
+
+    vocab = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+    return xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=sorted(tokenizer.eos_token_ids))
+
+
+def new_compiler(info: Any) -> Any:
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def compile_spec(compiler: Any, spec: str) -> Any:
+    """xgrammar's compiled grammar of `spec`, or ValueError (its message says what is wrong) when
+    it cannot be compiled or admits no output at all."""
     import xgrammar as xgr
 
     parsed = json.loads(spec)
-    if parsed["type"] == "json_object":
-        return
     try:
-        xgr.Grammar.from_json_schema(json.dumps(parsed["schema"]), any_whitespace=False, separators=(",", ":"),
-                                     strict_mode=parsed["strict"])
+        if parsed["type"] == "json_object":
+            compiled = compiler.compile_builtin_json_grammar()
+        else:
+            compiled = compiler.compile_json_schema(json.dumps(parsed["schema"]), any_whitespace=False,
+                                                    separators=(",", ":"), strict_mode=parsed["strict"])
     except RuntimeError as e:
         raise ValueError(_ERROR_PREFIX.sub("", str(e)).strip() or "the schema cannot be compiled") from e
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    if not _allows_any(bitmask, compiled.tokenizer_info.vocab_size)[0]:
+        raise ValueError("the schema admits no output at all")
+    return compiled
+
+
+class Compiled:
+    """A grammar compiled in this process, found by `key` (`Compiled.live`) while anything holds
+    it: a request's `SamplingParams.compiled_grammar` does, from admission to its end."""
+
+    _live: weakref.WeakValueDictionary[str, Compiled] = weakref.WeakValueDictionary()
+
+    def __init__(self, key: str, grammar: Any) -> None:
+        self.key, self.grammar = key, grammar
+        self.size_bytes = int(grammar.memory_size_bytes)
+        self.vocab_size = int(grammar.tokenizer_info.vocab_size)
+        Compiled._live[key] = self
+
+    @classmethod
+    def live(cls, key: str) -> Compiled | None:
+        return cls._live.get(key)
 
 
 class LeaseGrammars:
@@ -66,43 +123,40 @@ class LeaseGrammars:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def _compile(self, spec: str) -> Any:
-        import xgrammar as xgr
-
-        if spec in self._compiled:
-            self._compiled.move_to_end(spec)
-            return self._compiled[spec]
+    def _grammar(self, key: str, spec: str | None) -> Any:
+        """The compiled grammar named `key`: the front end's when it lives in this process, else
+        this worker's own, compiled from `spec` once."""
+        shared = Compiled.live(key)
+        if shared is not None and shared.vocab_size == self.vocab_size:
+            return shared.grammar
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        if spec is None:
+            raise ValueError(f"grammar {key} is not compiled here and the step does not carry its text")
         if self._compiler is None:
             if self._tokenizer is None:
                 raise ValueError("this worker has no tokenizer, so it cannot enforce a grammar")
-            tok = self._tokenizer
-            vocab = [tok.token_bytes(i) for i in range(tok.vocab_size)]
-            info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=self.vocab_size,
-                                     stop_token_ids=sorted(tok.eos_token_ids))
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        parsed = json.loads(spec)
-        if parsed["type"] == "json_object":
-            compiled = self._compiler.compile_builtin_json_grammar()
-        else:
-            compiled = self._compiler.compile_json_schema(json.dumps(parsed["schema"]), any_whitespace=False,
-                                                          separators=(",", ":"), strict_mode=parsed["strict"])
-        self._compiled[spec] = compiled
+            self._compiler = new_compiler(tokenizer_info(self._tokenizer, self.vocab_size))
+        compiled = self._compiled[key] = compile_spec(self._compiler, spec)
         if len(self._compiled) > MAX_COMPILED:
             self._compiled.popitem(last=False)
         return compiled
 
-    def observe(self, lease: int, spec: str, position: int, token_ids: list[int], history: list[int] | None,
-                prompt_tokens: int) -> Any:
+    def observe(self, lease: int, spec: str | None, position: int, token_ids: list[int], history: list[int] | None,
+                prompt_tokens: int, key: str | None = None) -> Any:
         """The matcher of `lease` after the output tokens among `token_ids` (at positions
         [position, ...) of its sequence, whose first `prompt_tokens` are the prompt). `history`
-        (the tokens at [0, position)) starts it afresh. Raises ValueError on a gap or a token the
-        grammar refuses (a bug upstream: the step fails)."""
+        (the tokens at [0, position)) starts it afresh from the grammar named `key` (default: the
+        digest of `spec`), compiled from the text `spec` where this process has no compiled copy.
+        Raises ValueError on a gap or a token the grammar refuses (a bug upstream: that seq fails)."""
         import xgrammar as xgr
 
         if history is not None:
             if len(history) != position:
                 raise ValueError(f"a history of {len(history)} tokens for a step at position {position}")
-            self._matchers[lease] = (xgr.GrammarMatcher(self._compile(spec)), 0)
+            grammar = self._grammar(key or grammar_key(spec or ""), spec)
+            self._matchers[lease] = (xgr.GrammarMatcher(grammar), 0)
             self._advance(lease, history, prompt_tokens)
         entry = self._matchers.get(lease)
         if entry is None or entry[1] != position:
@@ -125,18 +179,29 @@ class LeaseGrammars:
         self._matchers.clear()
 
 
-def apply_grammars(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
-    """logits: [N, V] float32; matchers[i]: row i's matcher or None. Returns logits with every
-    token the row's grammar does not allow next at -inf (a copy; the input is left as it is)
-    when any row has a matcher, else the input itself."""
+def _allows_any(bitmask: torch.Tensor, vocab: int) -> list[bool]:
+    """Per row of a token bitmask, whether it allows some token of the `vocab` (bits past it never count)."""
+    if vocab % 32:
+        bitmask = bitmask.clone()
+        bitmask[:, -1] &= (1 << (vocab % 32)) - 1
+    return bitmask[:, :-(-vocab // 32)].ne(0).any(dim=1).tolist()
+
+
+def apply_grammars(logits: torch.Tensor, matchers: list[Any]) -> tuple[torch.Tensor, list[int]]:
+    """logits: [N, V] float32; matchers[i]: row i's matcher or None. Returns (logits with every
+    token the row's grammar does not allow next at -inf: a copy, the input is left as it is, when
+    any row has a matcher, else the input itself; the rows whose grammar allows no token at all,
+    a dead end the request's own grammar led into: nothing may be sampled for them)."""
     rows = [row for row, m in enumerate(matchers) if m is not None]
     if not rows:
-        return logits
+        return logits, []
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])  # [N, ceil(V / 32)] int32
+    vocab = logits.shape[1]
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab)  # [N, ceil(V / 32)] int32
     for row in rows:
         matchers[row].fill_next_token_bitmask(bitmask, row)
+    alive = _allows_any(bitmask, vocab)
     out = logits.float().clone()
-    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=logits.shape[1], indices=rows)
-    return out
+    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=vocab, indices=rows)
+    return out, [row for row in rows if not alive[row]]

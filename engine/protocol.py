@@ -30,19 +30,20 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     logit_bias: list[tuple[int, float]] = []
     logprobs: int | None = None
-    grammar: str | None = None  # engine/grammar.py: the worker compiles it once and keeps a matcher per lease
+    grammar: str | None = None  # the grammar's key (engine/grammar.py); its text comes with SeqStep.history
 
     @classmethod
     def of(cls, p: SamplingParams) -> SamplingSpec:
         return cls(p.temperature, p.top_p, p.top_k, p.seed, p.presence_penalty, p.frequency_penalty,
-                   p.repetition_penalty, p.min_p, list(p.logit_bias), p.logprobs, p.grammar)
+                   p.repetition_penalty, p.min_p, list(p.logit_bias), p.logprobs,
+                   p.grammar_key if p.grammar is not None else None)
 
     def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               logit_bias=tuple((t, b) for t, b in self.logit_bias), logprobs=self.logprobs,
-                              grammar=self.grammar)
+                              grammar=self.grammar, grammar_key=self.grammar or "")
 
 
 class SeqStep(msgspec.Struct, frozen=True):
@@ -69,6 +70,9 @@ class SeqStep(msgspec.Struct, frozen=True):
     # the reply carries (-1: none), with `score_top` alternatives. None: nothing is scored.
     score: list[int] | None = None
     score_top: int = 0
+    # With `history`, for a grammar-bound request: the grammar's text, which a worker with no
+    # compiled copy of it compiles (engine/grammar.py LeaseGrammars)
+    grammar: str | None = None
 
 
 class PageGrant(msgspec.Struct, frozen=True):
@@ -128,6 +132,17 @@ class OwnerMismatch(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
+class SeqFailure(msgspec.Struct, frozen=True):
+    """A seq of a step failed on its own: its request ends, the step's other seqs carry on.
+    `request_fault`: the request itself led there (its grammar allows no next token), and
+    `message` is worded for its client; otherwise the worker failed on it (`message` is the
+    exception, for the log)."""
+
+    seq_index: int
+    message: str
+    request_fault: bool = False
+
+
 class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     step_id: int
     tokens: list[int | None]  # sampled token per seq, in order; None for a seq that did not run
@@ -139,6 +154,7 @@ class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     # per seq, in order, when any seq scored its prompt (else empty): one per target of its
     # `score` that is not -1, in order
     prompt_logprobs: list[list[TokenLogprobs]] = []
+    failed: list[SeqFailure] = []  # seqs that failed alone (their token is None)
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):

@@ -55,6 +55,9 @@ class StepResult:
     # per work, in the caller's order, when any work scored tokens (else empty): one per target of
     # its `score` that is not -1
     prompt_logprobs: list[list[TokenLogprobs]] = dataclasses.field(default_factory=list)
+    # works that ran but got no token because of something of their own (their grammar allows no
+    # token): work index -> why, in words a client may read
+    dead_ends: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -76,7 +79,9 @@ class ModelRunner:
 
         Every page a work touches must carry its lease (owner_check), and with a sanitizer every
         slot it reads must have been written by that lease; a work that fails either check is left
-        out of the forward, gets no token, and is reported in `violations` (the first failure only)."""
+        out of the forward, gets no token, and is reported in `violations` (the first failure only).
+        A work whose grammar allows no next token runs, gets no token, and is named in `dead_ends`;
+        the other works are not touched by it."""
         page_size = self.pool.page_size_tokens
         for w in works:
             needed = -(-(w.context_tokens + len(w.token_ids)) // page_size)
@@ -104,7 +109,8 @@ class ModelRunner:
                     logprobs[i] = inner.logprobs[j]
                 if inner.prompt_logprobs:
                     scores[i] = inner.prompt_logprobs[j]
-            return StepResult(tokens, inner.logits, violations, logprobs, scores)
+            dead_ends = {kept[j]: why for j, why in inner.dead_ends.items()}
+            return StepResult(tokens, inner.logits, violations, logprobs, scores, dead_ends)
         order = [i for i, w in enumerate(works) if w.is_decode] + \
                 [i for i, w in enumerate(works) if not w.is_decode]
         num_decode = sum(1 for w in works if w.is_decode)
@@ -145,7 +151,8 @@ class ModelRunner:
         if not scored:
             return StepResult(tokens, None, prompt_logprobs=prompt_logprobs)
         params: list[SamplingParams] = [works[i].sampling for i in scored]  # type: ignore[misc]
-        allowed = apply_grammars(logits, [works[i].grammar for i in scored])  # [N, V]; logprobs stay the model's
+        # [N, V]; logprobs stay the model's
+        allowed, dead_rows = apply_grammars(logits, [works[i].grammar for i in scored])
         sampled = self.sampler.sample(allowed, params, [works[i].output_index for i in scored],
                                       [works[i].counts for i in scored])
         for i, tok in zip(scored, sampled.tolist()):
@@ -155,10 +162,18 @@ class ModelRunner:
             logprobs = [None] * len(works)
             for i, lp in zip(scored, token_logprobs(logits, sampled, [p.logprobs for p in params])):
                 logprobs[i] = lp
-        if not return_logits:
-            return StepResult(tokens, None, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        caller_order = sorted(range(len(scored)), key=lambda row: scored[row])
-        return StepResult(tokens, logits[caller_order], logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        dead_ends = {}
+        for row in dead_rows:  # what was sampled there is noise: it is never sent
+            i = scored[row]
+            tokens[i] = None
+            if logprobs:
+                logprobs[i] = None
+            dead_ends[i] = (f"the output's grammar allows no token after output token {works[i].output_index}: "
+                            "the schema cannot be satisfied from here")
+        result = StepResult(tokens, None, logprobs=logprobs, prompt_logprobs=prompt_logprobs, dead_ends=dead_ends)
+        if return_logits:
+            result.logits = logits[sorted(range(len(scored)), key=lambda row: scored[row])]
+        return result
 
     @staticmethod
     def _prompt_logprobs(works: list[SeqWork], logits: torch.Tensor,

@@ -19,11 +19,12 @@ one generator owned by the `Sampler`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvfence.engine.grammar import grammar_key
 from kvfence.engine.logits_processing import apply_logit_bias, apply_min_p, apply_penalties
 
 if TYPE_CHECKING:
@@ -68,6 +69,11 @@ class SamplingParams:
       many of the most likely alternatives, from the model's own distribution (before bias,
       penalties and temperature: what vLLM returns by default).
     grammar: None, or the canonical text of a grammar the output must follow (engine/grammar.py).
+    grammar_key: the name workers know its compiled grammar by (engine/grammar.py `grammar_key`;
+      the front end's names the tenant too); left empty, the digest of `grammar`.
+    compiled_grammar: the front end's `Compiled` grammar (engine/grammar.py), held for as long as
+      the request lives so an in-process worker finds it by key and never compiles; None: a
+      worker compiles `grammar` itself (offline use). Not part of equality.
     prompt_logprobs: None (off) or 0..MAX_LOGPROBS: also return the log-probability of every
       prompt token after the first, given the tokens before it, with that many alternatives
       (completions' `echo` with `logprobs`; vLLM's `prompt_logprobs`).
@@ -90,6 +96,8 @@ class SamplingParams:
     logprobs: int | None = None
     grammar: str | None = None
     prompt_logprobs: int | None = None
+    grammar_key: str = ""
+    compiled_grammar: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -141,6 +149,8 @@ class SamplingParams:
                              f"got {self.prompt_logprobs!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError(f"grammar must be None or a grammar's text, got {self.grammar!r}")
+        if self.grammar is not None and not self.grammar_key:
+            object.__setattr__(self, "grammar_key", grammar_key(self.grammar))
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         object.__setattr__(self, "min_p", float(self.min_p))
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))

@@ -23,7 +23,8 @@ from kvfence.engine.token_counts import LeaseTokenCounts
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.engine.protocol import (
-    OwnerMismatch, RunStep, SeqStep, StepDone, StepFailed, WorkerReply, WorkerRequest, decode_reply, decode_request, encode,
+    OwnerMismatch, RunStep, SeqFailure, SeqStep, StepDone, StepFailed, WorkerReply, WorkerRequest, decode_reply,
+    decode_request, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class Worker:
     def execute_with_logits(self, request: WorkerRequest,
                             return_logits: bool = False) -> tuple[WorkerReply, torch.Tensor | None]:
         """`execute`, and with `return_logits` the logits of every token sampled, one row per
-        sampled seq in order (in-process callers only: logits never travel)."""
+        sampled seq in order, leaving out seqs that failed before the forward (in-process callers
+        only: logits never travel)."""
         match request:
             case RunStep() if request.incarnation and request.incarnation != self.incarnation:
                 return StepFailed(request.step_id, f"the {self.role} worker restarted (step for incarnation "
@@ -122,12 +124,39 @@ class Worker:
             return StepFailed(cmd.step_id, f"{type(e).__name__}: {e}", self.incarnation), None
         if not cmd.seqs:
             return StepDone(cmd.step_id, [], incarnation=self.incarnation), None
-        works = [self._work(s) for s in cmd.seqs]
-        with torch.inference_mode():
-            result = self.runner.step(works, return_logits)
-        return StepDone(cmd.step_id, result.tokens, [self._mismatch(v) for v in result.violations],
-                        self.incarnation, logprobs=result.logprobs,
-                        prompt_logprobs=result.prompt_logprobs), result.logits
+        works: list[SeqWork] = []
+        indices: list[int] = []  # the seq index of each work
+        failed: list[SeqFailure] = []
+        for index, seq in enumerate(cmd.seqs):
+            try:
+                works.append(self._work(seq))
+                indices.append(index)
+            except Exception as e:  # this seq fails alone; the step goes on for the others
+                log.exception("%s worker: step %d: seq %d (lease %s) failed", self.role, cmd.step_id, index,
+                              id_hex(seq.lease))
+                failed.append(SeqFailure(index, f"{type(e).__name__}: {e}"))
+        n = len(cmd.seqs)
+        tokens: list[int | None] = [None] * n
+        violations: list[OwnerMismatch] = []
+        logprobs, prompt_logprobs, logits = [], [], None
+        if works:
+            with torch.inference_mode():
+                result = self.runner.step(works, return_logits)
+            logits = result.logits
+            for j, index in enumerate(indices):
+                tokens[index] = result.tokens[j]
+            violations = [self._mismatch(v, indices) for v in result.violations]
+            failed += [SeqFailure(indices[j], why, request_fault=True) for j, why in result.dead_ends.items()]
+            if result.logprobs:
+                logprobs = [None] * n
+                for j, index in enumerate(indices):
+                    logprobs[index] = result.logprobs[j]
+            if result.prompt_logprobs:
+                prompt_logprobs = [[] for _ in range(n)]
+                for j, index in enumerate(indices):
+                    prompt_logprobs[index] = result.prompt_logprobs[j]
+        return StepDone(cmd.step_id, tokens, violations, self.incarnation, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs, failed=sorted(failed, key=lambda f: f.seq_index)), logits
 
     def _work(self, s: SeqStep) -> SeqWork:
         params = s.sampling.params() if s.sampling is not None else None
@@ -135,18 +164,20 @@ class Worker:
         if params is not None and params.penalized:
             counts = self.token_counts.observe(s.lease, s.context_tokens, s.token_ids, s.history, s.prompt_tokens)
         if params is not None and params.grammar is not None:
-            grammar = self.grammars.observe(s.lease, params.grammar, s.context_tokens, s.token_ids, s.history,
-                                            s.prompt_tokens)
+            grammar = self.grammars.observe(s.lease, s.grammar, s.context_tokens, s.token_ids, s.history,
+                                            s.prompt_tokens, key=params.grammar)
         return SeqWork(s.token_ids, s.context_tokens, self.page_tables.extend(s.lease, s.new_pages), s.lease,
                        params, s.output_index, s.seal, counts, grammar, s.score, s.score_top)
 
-    def _mismatch(self, v: OwnerViolation | SlotViolation) -> OwnerMismatch:
+    def _mismatch(self, v: OwnerViolation | SlotViolation, indices: list[int]) -> OwnerMismatch:
+        """The violation of work `v.work_index` as its seq's (`indices`: the seq index of each work)."""
         if isinstance(v, OwnerViolation):
-            return OwnerMismatch(v.work_index, v.page, v.owner)
+            return OwnerMismatch(indices[v.work_index], v.page, v.owner)
         log.error("KV SANITIZER: %s worker: %s would read token %d (page %d slot %d), last written "
                   "by %s", self.role, self.page_tables.who(v.lease), v.position, v.page, v.slot,
                   self.page_tables.who(v.writer) if v.writer else "nobody since the page was released")
-        return OwnerMismatch(v.work_index, v.page, v.writer, "sanitizer", f"token {v.position} (slot {v.slot})")
+        return OwnerMismatch(indices[v.work_index], v.page, v.writer, "sanitizer",
+                             f"token {v.position} (slot {v.slot})")
 
 
 class LocalWorkerChannel:

@@ -14,34 +14,35 @@ def decode_steps(requests: list[Request], table: LeaseTable) -> list[SeqStep]:
     """One step per decoding request: feed its last token, which lands at position len(tokens) - 1.
     `table`: the decode pool's, which knows what of each page table its worker already has."""
     return [SeqStep(r.decode_lease, [r.tokens[-1]], len(r.tokens) - 1, table.new_pages(r.decode_lease, r.decode_pages),
-                    SamplingSpec.of(r.params), r.num_generated, r.seal, *_counting(r, r.decode_lease, len(r.tokens) - 1))
+                    SamplingSpec.of(r.params), r.num_generated, r.seal,
+                    **_counting(r, r.decode_lease, len(r.tokens) - 1))
             for r in requests]
 
 
-def _counting(req: Request, lease: int, position: int) -> tuple[list[int] | None, int]:
-    """(history, prompt_tokens) of a sampling step of `req` on `lease` at `position`: the worker of
-    a penalized or grammar-bound request keeps its state per lease (engine/token_counts.py,
-    engine/grammar.py), so the first sampling step of each lease carries every token before it,
-    and the request notes that it did."""
+def _counting(req: Request, lease: int, position: int) -> dict[str, object]:
+    """SeqStep's history, prompt_tokens and grammar of a sampling step of `req` on `lease` at
+    `position`: the worker of a penalized or grammar-bound request keeps its state per lease
+    (engine/token_counts.py, engine/grammar.py), so the first sampling step of each lease carries
+    every token before it (and the grammar's text), and the request notes that it did."""
     if not req.params.tracks_history:
-        return None, 0
+        return {}
     if req.counted_lease == lease:
-        return None, len(req.prompt)
+        return {"prompt_tokens": len(req.prompt)}
     req.counted_lease = lease
-    return req.tokens[:position], len(req.prompt)
+    return {"history": req.tokens[:position], "prompt_tokens": len(req.prompt), "grammar": req.params.grammar}
 
 
-def _scoring(req: Request, start: int, n: int) -> tuple[list[int] | None, int]:
-    """(score, score_top) of a chunk of `req` feeding positions [start, start + n): position p
+def _scoring(req: Request, start: int, n: int) -> dict[str, object]:
+    """SeqStep's score and score_top of a chunk of `req` feeding positions [start, start + n): position p
     scores prompt token p + 1, for the prompt tokens not scored yet (a recompute after a
     preemption scores only what the first attempt did not)."""
     if not req.scores_prompt:
-        return None, 0
+        return {}
     first, end = len(req.prompt_logprobs), len(req.prompt) - 1  # positions still to score: [first, end)
     score = [req.tokens[p + 1] if first <= p < end else -1 for p in range(start, start + n)]
     if all(t < 0 for t in score):
-        return None, 0
-    return score, req.params.prompt_logprobs or 0
+        return {}
+    return {"score": score, "score_top": req.params.prompt_logprobs or 0}
 
 
 def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTable) -> list[tuple[Request, SeqStep]]:
@@ -62,8 +63,8 @@ def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTabl
         out.append((req, SeqStep(req.prefill_lease, req.tokens[req.prefilled: req.prefilled + n],
                                  req.prefilled, table.new_pages(req.prefill_lease, req.prefill_pages),
                                  SamplingSpec.of(req.params) if last else None, req.num_generated, req.seal,
-                                 *(_counting(req, req.prefill_lease, req.prefilled) if last else (None, 0)),
-                                 *_scoring(req, req.prefilled, n))))
+                                 **(_counting(req, req.prefill_lease, req.prefilled) if last else {}),
+                                 **_scoring(req, req.prefilled, n))))
         budget_tokens -= n
     return out
 

@@ -2,7 +2,8 @@
 scheduler core (no I/O, no clock: the time is passed in): pairs added while serving, a worker lost
 (its requests retried once or failed), a failed step, a step refused for an old incarnation, a
 worker seen to have restarted, and pages that failed their owner-tag or sanitizer check (that
-request failed closed, the others carry on).
+request failed closed, the others carry on), and seqs that failed alone (that request ends,
+400 when its own grammar led into a dead end, else 500; the others carry on).
 
 A lost worker ends its incarnation: requests that still need it and sent no token yet are retried
 once, as a new attempt on another pair, once nothing touches their old pages; the others fail with
@@ -172,6 +173,17 @@ class WorkerEvents:
             self._end(req, RequestError(500, "kv_integrity_error",
                                         "a KV page of this request failed its ownership check; the request was "
                                         "stopped before the step's token was sent"), now)
+        for f in reply.failed:
+            req = requests[f.seq_index]
+            if req.state.terminal:
+                continue
+            if f.request_fault:
+                log.info("%s ends on the %s worker: %s", req.who, w.name, f.message)
+                error = RequestError(400, "grammar_dead_end", f.message)
+            else:
+                log.error("%s failed alone on the %s worker: %s", req.who, w.name, f.message)
+                error = RequestError(500, "worker_error", f"the model step failed for this request: {f.message}")
+            self._end(req, error, now)
         return reply
 
     def _name_tag(self, table: LeaseTable, tag: int) -> str:

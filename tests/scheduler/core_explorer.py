@@ -70,6 +70,7 @@ class Budget:
     aborts: int = 1
     restarts: int = 1
     failed_steps: int = 0
+    failed_seqs: int = 0  # one seq of a step fails alone (engine/worker.py: its request ends, the rest go on)
     ticks: int = 1
     transfer_faults: int = 1  # quiet or loud failures, in all
     flushes: int = 0  # POST /admin/flush_cache
@@ -134,6 +135,10 @@ class World:
                 out.append((f"reply {name}", lambda name=name: self.reply(name)))
                 if self.budget.failed_steps:
                     out.append((f"fail step {name}", lambda name=name: self.reply(name, fail=True)))
+                if self.budget.failed_seqs:
+                    for i in range(len(sim.message.seqs)):
+                        out.append((f"seq {i} of the step on {name} fails alone",
+                                    lambda name=name, i=i: self.reply(name, fail_seq=i)))
             if self.budget.restarts:
                 out.append((f"restart {name}", lambda name=name: self.restart(name)))
         for key, t in self.transfers.items():
@@ -175,13 +180,15 @@ class World:
         self.budget.aborts -= 1
         self.core.abort(request_id, self.now)
 
-    def reply(self, name: str, fail: bool = False) -> None:
+    def reply(self, name: str, fail: bool = False, fail_seq: int | None = None) -> None:
         sim = self.sims[name]
         msg, sim.message = sim.message, None
         assert msg is not None
         if fail:
             self.budget.failed_steps -= 1
-        self.core.step_replied(name, sim.run(msg, fail), self.now)
+        if fail_seq is not None:
+            self.budget.failed_seqs -= 1
+        self.core.step_replied(name, sim.run(msg, fail, fail_seq), self.now)
 
     def restart(self, name: str) -> None:
         self.budget.restarts -= 1

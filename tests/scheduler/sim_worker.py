@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvfence.engine.ids import id_hex
-from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerReply
+from kvfence.engine.protocol import RunStep, SeqFailure, StepDone, StepFailed, WorkerReply
 
 TOKEN = 7  # the token every step samples (never an EOS id of the tiny tokenizer)
 
@@ -34,9 +34,10 @@ class SimWorker:
     def inc(self) -> str:
         return f"{self.name}-{self.incarnation}"
 
-    def run(self, msg: RunStep, fail: bool = False) -> WorkerReply:
+    def run(self, msg: RunStep, fail: bool = False, fail_seq: int | None = None) -> WorkerReply:
         """Apply `msg` as engine/worker.py does; `fail`: its forward fails after the tag changes
-        were applied (a worker that cannot apply them restarts instead)."""
+        were applied (a worker that cannot apply them restarts instead); `fail_seq`: that seq
+        fails alone after its forward ran (it gets no token, the others carry on)."""
         if msg.incarnation and msg.incarnation != self.inc():
             return StepFailed(msg.step_id, "restarted", self.inc(), stale_incarnation=True)
         for page in msg.released:
@@ -85,7 +86,10 @@ class SimWorker:
                                  f"that it did not write")
             self.write(lease, table, seq.context_tokens, end)
             tokens.append(TOKEN if seq.sampling is not None else None)
-        return StepDone(msg.step_id, tokens, incarnation=self.inc())
+        if fail_seq is None:
+            return StepDone(msg.step_id, tokens, incarnation=self.inc())
+        tokens[fail_seq] = None
+        return StepDone(msg.step_id, tokens, incarnation=self.inc(), failed=[SeqFailure(fail_seq, "injected")])
 
     def write(self, lease: int, pages: list[int], start: int, end: int) -> None:
         for pos in range(start, end):

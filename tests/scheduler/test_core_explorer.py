@@ -34,7 +34,9 @@ def runs(tiny: Checkpoint) -> dict[str, Setup]:
     decode workers, any of the three lost at any point (mid-step, mid-transfer): retried requests
     never overlap their old attempt, nothing a transfer may touch is freed, and every request ends
     (with a transfer fault on top: 31690 states, every one clean, but too slow for each run of the
-    suite)."""
+    suite). The seq-failure runs fail any one seq of any step alone (a dead-end grammar, a seq the
+    worker could not build): its request ends at that point, whatever state it is in, and the
+    other request carries on."""
     ckpt = tiny.source
     return {
         "disaggregated-shared-prefix": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0,
@@ -52,6 +54,10 @@ def runs(tiny: Checkpoint) -> dict[str, Setup]:
         "disaggregated-two-samples": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0,
                                                                 flushes=1), cache=True, prompts=SHARED_PROMPTS,
                                            samples=2),
+        "disaggregated-seq-failure": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=0, ticks=0,
+                                                                failed_seqs=1), chunk=2),
+        "colocated-seq-failure": Setup(ckpt, False, Budget(restarts=0, transfer_faults=0, aborts=1, ticks=0,
+                                                           failed_seqs=1), chunk=2),
         "colocated-two-samples": Setup(ckpt, False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=0,
                                                              failed_steps=1, flushes=1), cache=True,
                                        prompts=SHARED_PROMPTS, samples=2),
@@ -79,7 +85,8 @@ def explored(explorations: dict[str, Future[Report]], name: str, capsys: pytest.
 
 
 @pytest.mark.parametrize("name", ["disaggregated-faults", "disaggregated-chunked", "colocated",
-                                  "disaggregated-shared-prefix", "colocated-shared-prefix"])
+                                  "disaggregated-shared-prefix", "colocated-shared-prefix",
+                                  "disaggregated-seq-failure", "colocated-seq-failure"])
 def test_every_interleaving_keeps_the_invariants(explorations: dict[str, Future[Report]], name: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     report = explored(explorations, name, capsys)

@@ -14,7 +14,7 @@ import torch
 from serving_harness import assert_baseline, serve_all, small_config, start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
-from kvfence.engine.grammar import LeaseGrammars, check_grammar, grammar_spec
+from kvfence.engine.grammar import LeaseGrammars, compile_spec, grammar_spec, new_compiler, tokenizer_info
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
@@ -95,8 +95,39 @@ def test_a_matcher_needs_its_history_and_refuses_what_the_grammar_does(tiny: Che
     assert len(grammars) == 0
 
 
-def test_a_schema_that_cannot_compile_is_named() -> None:
+def test_a_schema_that_cannot_compile_is_named(tiny: Checkpoint) -> None:
+    compiler = new_compiler(tokenizer_info(tiny.tokenizer, tiny.config.vocab_size))
     with pytest.raises(ValueError, match="foo"):
-        check_grammar(grammar_spec("json_schema", {"type": "foo"}))
-    check_grammar(grammar_spec("json_object"))
-    check_grammar(grammar_spec("json_schema", SCHEMA, strict=True))
+        compile_spec(compiler, grammar_spec("json_schema", {"type": "foo"}))
+    with pytest.raises(ValueError, match="minimum greater than maximum"):
+        compile_spec(compiler, grammar_spec("json_schema", {"type": "integer", "minimum": 5, "maximum": 3}))
+    compile_spec(compiler, grammar_spec("json_object"))
+    compile_spec(compiler, grammar_spec("json_schema", SCHEMA, strict=True))
+
+
+DEAD_END = grammar_spec("json_schema", {"type": "string", "pattern": "[^\\s\\S]"}, strict=True)  # '"', then nothing
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["colocated", "tcp"])
+async def test_a_dead_end_grammar_fails_alone_in_its_batch(tiny: Checkpoint, mode: str,
+                                                          task_group: anyio.abc.TaskGroup) -> None:
+    """A schema no output can satisfy passes compiling (its first token, '"', is allowed) and
+    leads its request into a state where no token is allowed. Co-batched with six ordinary
+    requests, it ends alone with 400 grammar_dead_end, before sampling anything past the dead end,
+    and the six produce exactly what they produce without it."""
+    ps = prompts(7, seed=4)
+    six = [params(i) for i in range(6)]
+    alone = await start_serving(task_group, tiny, mode, config(mode), num_pages=128)
+    want = await serve_all(alone.scheduler, ps[:6], six)
+    await alone.aclose()
+    mixed = await start_serving(task_group, tiny, mode, config(mode), num_pages=128)
+    dead = SamplingParams(temperature=1.0, seed=9, max_tokens=20, grammar=DEAD_END)
+    got = await serve_all(mixed.scheduler, ps, six + [dead])
+    assert [(o.ids, o.end) for o in got[:6]] == [(o.ids, o.end) for o in want]
+    assert all(o.end == "stop" for o in got[:6])
+    assert got[6].end == "grammar_dead_end"
+    assert got[6].text == '"'  # the one token the grammar allowed, then nothing
+    await wait_idle(mixed.scheduler)
+    assert_baseline(mixed.scheduler)
+    await mixed.aclose()
