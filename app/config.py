@@ -67,6 +67,9 @@ class ServerConfig(Settings):
     stall_timeout_s: float = setting(30.0, "seconds a streaming client may read nothing before its request is "
                                            "aborted", above=0)
     shutdown_timeout_s: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM", at_least=0)
+    max_response_entries: int = setting(1 << 18, "most tokens and logprob entries one request's response may "
+                                                 "carry: samples x (top_logprobs + 1) x max_tokens, plus echoed "
+                                                 "prompt logprobs; a request over it gets 400", above=0)
     grammar_compile_timeout_s: float = setting(1.0, "seconds a request's JSON schema may take to compile (in a "
                                                     "process of its own, killed past it: the request gets 400)",
                                                above=0, at_most=60)

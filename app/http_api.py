@@ -12,6 +12,8 @@ Contracts:
   whatever it tokenizes to is refused without being tokenized (`app/prompt_tokens.py`).
 - No exception text of a worker or a transport reaches a client (`http_errors.for_client`); the
   log has it.
+- What one request may make the server hold is bounded before submit (app/response_budget.py:
+  samples x logprob alternatives x max_tokens, and echoed prompt logprobs; 400 past it).
 - A grammar (`response_format`, a tool call) is bounded in shape while the body is prepared
   (app/grammar_bounds.py) and compiled by `GrammarCompiler` (app/grammar_compiler.py) before
   submit: in a process with a time budget, never on the event loop, kept per tenant.
@@ -48,6 +50,7 @@ from kvfence.app.http_errors import (context_too_long, decode_body, error_respon
                                      http_exception_handler, model_not_found, server_error_handler)
 from kvfence.app.prompt_tokens import PromptEncoder, chat_text
 from kvfence.app.request_body import BodyTooLarge, RefusedBody, read_body
+from kvfence.app.response_budget import DEFAULT_MAX_RESPONSE_ENTRIES, check_response_budget, response_entries
 from kvfence.app.logprobs_shape import TokenPieces
 from kvfence.app.token_routes import TokenRoutes
 from kvfence.app.tools import ToolPlan, plan_tools
@@ -72,13 +75,15 @@ class _Api:
     """The route handlers of one app; holds the engine, one JSON encoder and the decoders."""
 
     def __init__(self, engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None,
-                 max_body_bytes: int, stall_timeout_s: float, api_keys: ApiKeys, grammars: GrammarCompiler) -> None:
+                 max_body_bytes: int, stall_timeout_s: float, api_keys: ApiKeys, grammars: GrammarCompiler,
+                 max_response_entries: int) -> None:
         if max_body_bytes <= 0 or stall_timeout_s <= 0:
             raise ValueError(f"max_body_bytes and stall_timeout_s must be > 0, got {max_body_bytes} and "
                              f"{stall_timeout_s}")
         self.engine = engine
         self.keys = api_keys
         self.grammars = grammars
+        self.max_response_entries = max_response_entries
         self.metrics_text = metrics_text
         self.max_body_bytes, self.stall_timeout_s = max_body_bytes, stall_timeout_s
         self.prompts = PromptEncoder(engine.tokenizer)
@@ -191,6 +196,11 @@ class _Api:
                                     where=where)
         if too_long is not None:
             raise too_long
+        most = limit - len(ids) if max_tokens is None else max_tokens
+        entries = response_entries(samples=best_of, logprobs=logprobs, max_tokens=most, n=n, prompt_tokens=len(ids),
+                                   prompt_logprobs=logprobs if echo is not None else None)
+        check_response_budget(entries, self.max_response_entries, max_param=max_param, n=n, samples=best_of,
+                              logprobs=logprobs, max_tokens=most)
         vocab_size = self.engine.tokenizer.vocab_size
         _check_token_ids(where, ids, vocab_size)  # after the length check: a long list is refused unread
         _check_token_ids("stop_token_ids", req.stop_token_ids or [], vocab_size)
@@ -291,7 +301,8 @@ def _check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
 
 def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-              api_keys: ApiKeys | None = None, grammars: GrammarCompiler | None = None) -> Starlette:
+              api_keys: ApiKeys | None = None, grammars: GrammarCompiler | None = None,
+              max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES) -> Starlette:
     """The OpenAI-compatible app: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
     GET /v1/models/{model}, POST /tokenize and POST /detokenize (vLLM's; app/token_routes.py),
     GET /health, GET /ready (503 + Retry-After while not ready), GET /metrics (`metrics_text()`
@@ -299,10 +310,11 @@ def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]
     `stall_timeout_s`: how long a response may be unable to send before its request is aborted;
     `api_keys`: who may call it (None: no keys, every request the anonymous tenant); `grammars`:
     what compiles requests' grammars (None: one for the tokenizer's vocabulary, with the default
-    budget)."""
+    budget); `max_response_entries`: the fan-out budget of one request (app/response_budget.py)."""
     if grammars is None:
         grammars = GrammarCompiler(engine.tokenizer, engine.tokenizer.vocab_size, budget_s=DEFAULT_BUDGET_S)
-    api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s, api_keys or ApiKeys(), grammars)
+    api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s, api_keys or ApiKeys(), grammars,
+               max_response_entries)
     tokens = TokenRoutes(api)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),

@@ -161,7 +161,8 @@ async def serve_http(tg: anyio.abc.TaskGroup, config: ServeConfig, model_name: s
     grammars = GrammarCompiler(tokenizer, vocab_size, budget_s=http.grammar_compile_timeout_s)
     grammars.start()
     app = build_app(engine, metrics_text, max_body_bytes=http.max_body_bytes, stall_timeout_s=http.stall_timeout_s,
-                    api_keys=ApiKeys.load(http.api_keys), grammars=grammars)
+                    api_keys=ApiKeys.load(http.api_keys), grammars=grammars,
+                    max_response_entries=http.max_response_entries)
     hyper = HypercornConfig()
     hyper.bind = [f"{http.host}:{http.port}"]
     hyper.accesslog = None

@@ -406,3 +406,32 @@ def test_a_prompt_that_cannot_fit_is_refused_without_being_tokenized(path: str, 
     err = refused(engine, path, make("x" * (3 << 20)), 400, where, TOO_LONG)  # 3 MB
     assert f"maximum context length is {LIMIT} tokens" in err["message"] and "at least" in err["message"]
     assert spy.calls == [] and engine.submitted == []
+
+
+@pytest.mark.parametrize("path,make", ENDPOINTS)
+def test_a_fan_out_past_the_response_budget_is_refused_stating_it(path: str, make) -> None:
+    """samples x (alternatives + 1) x max_tokens is counted before anything is admitted
+    (app/response_budget.py); the same request within the budget is admitted."""
+    engine = StubEngine(mode="reject")
+    logprobs = {"logprobs": True, "top_logprobs": 20} if path == CHAT else {"logprobs": 20}
+    body = make(n=128, max_tokens=8, **logprobs)
+    with TestClient(build_app(engine, max_response_entries=128 * 21 * (8) - 1)) as client:
+        r = client.post(path, json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("response_too_large", "max_tokens")
+    assert f"{128 * 21 * (8)} tokens and logprob entries" in err["message"]
+    assert engine.submitted == []
+    with TestClient(build_app(engine, max_response_entries=128 * 21 * (8))) as client:
+        assert client.post(path, json=body).status_code == 503  # admitted to the engine, which is busy
+    assert len(engine.submitted) == 1
+
+
+def test_echoed_prompt_logprobs_count_against_the_budget() -> None:
+    engine = StubEngine(mode="reject")
+    body = completion_body(prompt=[5] * 30, max_tokens=10, echo=True, logprobs=5)
+    budget = 10 * 6 + 30 * 6  # the samples' tokens and the echoed prompt, 6 entries each
+    with TestClient(build_app(engine, max_response_entries=budget - 1)) as client:
+        assert client.post(COMPLETIONS, json=body).json()["error"]["code"] == "response_too_large"
+    with TestClient(build_app(engine, max_response_entries=budget)) as client:
+        assert client.post(COMPLETIONS, json=body).status_code == 503
