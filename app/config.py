@@ -67,6 +67,18 @@ class ServerConfig(Settings):
     stall_timeout_s: float = setting(30.0, "seconds a streaming client may read nothing before its request is "
                                            "aborted", above=0)
     shutdown_timeout_s: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM", at_least=0)
+    body_timeout_s: float = setting(60.0, "seconds a request body may take to arrive in full; past it, 408",
+                                    above=0)
+    max_requests_in_flight: int = setting(1024, "HTTP requests served at once, streams included; past it, 503 "
+                                                "with Retry-After (/health, /ready and /metrics always answer)",
+                                          above=0)
+    allowed_hosts: str | None = setting(None, "host names the API answers to, comma-separated, or * for any; "
+                                              "default: with --api-keys off and a loopback --host, only loopback "
+                                              "names (a web page cannot drive the server by DNS rebinding or a "
+                                              "cross-site post), else any. Name the hosts a proxy forwards")
+    allow_special_tokens_in_content: bool = setting(False, "encode a special token's text written in a chat "
+                                                           "message as the special token (default: as text, so "
+                                                           "a message cannot open a turn of another role)")
     max_response_entries: int = setting(1 << 18, "most tokens and logprob entries one request's response may "
                                                  "carry: samples x (top_logprobs + 1) x max_tokens, plus echoed "
                                                  "prompt logprobs; a request over it gets 400", above=0)

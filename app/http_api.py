@@ -48,14 +48,15 @@ from kvfence.app.generation_response import GenerationResponse, Prepared
 from kvfence.app.grammar_compiler import DEFAULT_BUDGET_S, GrammarCompiler
 from kvfence.app.http_errors import (context_too_long, decode_body, error_response, from_sampling_error,
                                      http_exception_handler, model_not_found, server_error_handler)
-from kvfence.app.prompt_tokens import PromptEncoder, chat_text
-from kvfence.app.request_body import BodyTooLarge, RefusedBody, read_body
+from kvfence.app.prompt_tokens import PromptEncoder
+from kvfence.app.edge import Edge
+from kvfence.app.request_body import BodyBudget, BodyRefusal, RefusedBody, read_body
 from kvfence.app.response_budget import DEFAULT_MAX_RESPONSE_ENTRIES, check_response_budget, response_entries
 from kvfence.app.logprobs_shape import TokenPieces
 from kvfence.app.token_routes import TokenRoutes
 from kvfence.app.tools import ToolPlan, plan_tools
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.errors import RequestError, overloaded
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -69,6 +70,10 @@ DEFAULT_STALL_TIMEOUT_S = 30.0
 # prompt can only be as long as its body.
 INLINE_BODY_BYTES = 64 << 10
 LONG_INPUT_THREADS = 2
+LONG_INPUTS_WAITING = 32  # long inputs waiting for those threads; past it, 503 with Retry-After
+BODY_BUDGET_BODIES = 16  # bodies being received may hold this many times --max-body-bytes in all
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_MAX_IN_FLIGHT = 1024
 
 
 class _Api:
@@ -76,7 +81,7 @@ class _Api:
 
     def __init__(self, engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None,
                  max_body_bytes: int, stall_timeout_s: float, api_keys: ApiKeys, grammars: GrammarCompiler,
-                 max_response_entries: int) -> None:
+                 max_response_entries: int, body_timeout_s: float, allow_special_tokens: bool) -> None:
         if max_body_bytes <= 0 or stall_timeout_s <= 0:
             raise ValueError(f"max_body_bytes and stall_timeout_s must be > 0, got {max_body_bytes} and "
                              f"{stall_timeout_s}")
@@ -84,6 +89,9 @@ class _Api:
         self.keys = api_keys
         self.grammars = grammars
         self.max_response_entries = max_response_entries
+        self.body_timeout_s, self.allow_special_tokens = body_timeout_s, allow_special_tokens
+        self.bodies = BodyBudget(BODY_BUDGET_BODIES * max_body_bytes)
+        self.long_waiting = 0
         self.metrics_text = metrics_text
         self.max_body_bytes, self.stall_timeout_s = max_body_bytes, stall_timeout_s
         self.prompts = PromptEncoder(engine.tokenizer)
@@ -132,17 +140,24 @@ class _Api:
 
     async def _from_body(self, request: Request, work: Callable[[bytes], _T]) -> _T:
         """`work(body)`: on the event loop up to INLINE_BODY_BYTES, else in a worker thread (at most
-        LONG_INPUT_THREADS at once): decoding, rendering and tokenizing a long input would stall
-        every other stream. Raises RefusedBody past `max_body_bytes`, ClientDisconnect, or what
-        `work` raises."""
-        body = await read_body(request, self.max_body_bytes)
+        LONG_INPUT_THREADS at once, LONG_INPUTS_WAITING waiting: 503 past it): decoding, rendering
+        and tokenizing a long input would stall every other stream. Raises RefusedBody past
+        `max_body_bytes`, the body timeout or the bodies' budget, ClientDisconnect, or what `work`
+        raises."""
+        body = await read_body(request, self.max_body_bytes, self.bodies, self.body_timeout_s)
         if len(body) <= INLINE_BODY_BYTES:
             return work(body)
-        return await anyio.to_thread.run_sync(work, body, limiter=self.long_inputs)
+        if self.long_waiting >= LONG_INPUTS_WAITING:
+            raise overloaded(f"{self.long_waiting} long requests are waiting to be tokenized; retry shortly")
+        self.long_waiting += 1
+        try:
+            return await anyio.to_thread.run_sync(work, body, limiter=self.long_inputs)
+        finally:
+            self.long_waiting -= 1
 
     def _refusal(self, refused: RefusedBody | ClientDisconnect | RequestError) -> Response:
         if isinstance(refused, RefusedBody):
-            return BodyTooLarge(refused)
+            return BodyRefusal(refused)
         if isinstance(refused, ClientDisconnect):
             return Response(status_code=499)  # nobody is left to read it
         return error_response(refused, self.encoder)
@@ -166,9 +181,8 @@ class _Api:
             raise s.invalid("response_format", "a tool call's output is the call's JSON: leave response_format out "
                             "when tool_choice asks for a call", "unsupported_value")
         tools = msgspec.to_builtins(req.tools) if req.tools else None
-        text = chat_text(tok, s.chat_messages(req), tools=tools)
-        ids = self.prompts.encode(text, add_bos=False, where="messages",
-                                  max_context_tokens=self.engine.max_context_tokens)
+        ids = self.prompts.encode_chat(s.chat_messages(req), tools, allow_special=self.allow_special_tokens,
+                                       max_context_tokens=self.engine.max_context_tokens)
         return self._finish(req, ids, chat=True, where="messages", tools=plan)
 
     def _prepare_completion(self, req: s.CompletionRequest) -> Prepared:
@@ -302,7 +316,9 @@ def _check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
 def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]] | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
               api_keys: ApiKeys | None = None, grammars: GrammarCompiler | None = None,
-              max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES) -> Starlette:
+              max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              allow_special_tokens: bool = False, allowed_hosts: frozenset[str] | None = None,
+              max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> Starlette:
     """The OpenAI-compatible app: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
     GET /v1/models/{model}, POST /tokenize and POST /detokenize (vLLM's; app/token_routes.py),
     GET /health, GET /ready (503 + Retry-After while not ready), GET /metrics (`metrics_text()`
@@ -310,11 +326,14 @@ def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]
     `stall_timeout_s`: how long a response may be unable to send before its request is aborted;
     `api_keys`: who may call it (None: no keys, every request the anonymous tenant); `grammars`:
     what compiles requests' grammars (None: one for the tokenizer's vocabulary, with the default
-    budget); `max_response_entries`: the fan-out budget of one request (app/response_budget.py)."""
+    budget); `max_response_entries`: the fan-out budget of one request (app/response_budget.py);
+    `body_timeout_s`: how long a body may take to arrive (408 past it); `allow_special_tokens`:
+    encode special tokens spelled out in chat messages as special tokens (app/prompt_tokens.py);
+    `allowed_hosts` (None: any) and `max_in_flight`: the edge (app/edge.py)."""
     if grammars is None:
         grammars = GrammarCompiler(engine.tokenizer, engine.tokenizer.vocab_size, budget_s=DEFAULT_BUDGET_S)
     api = _Api(engine, metrics_text, max_body_bytes, stall_timeout_s, api_keys or ApiKeys(), grammars,
-               max_response_entries)
+               max_response_entries, body_timeout_s, allow_special_tokens)
     tokens = TokenRoutes(api)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -328,5 +347,6 @@ def build_app(engine: EngineClient, metrics_text: Callable[[], tuple[bytes, str]
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/admin/flush_cache", api.flush_cache, methods=["POST"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(EchoRequestId)],
+    return Starlette(routes=routes, middleware=[Middleware(Edge, hosts=allowed_hosts, max_in_flight=max_in_flight),
+                                                Middleware(EchoRequestId)],
                      exception_handlers={HTTPException: http_exception_handler, Exception: server_error_handler})

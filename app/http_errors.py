@@ -62,7 +62,8 @@ def from_validation_error(exc: msgspec.ValidationError) -> RequestError:
 
 
 def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
-    """Decode `body` with `decoder`; raises RequestError 400 "invalid_json" for malformed JSON and
+    """Decode `body` with `decoder`; raises RequestError 400 "invalid_json" for malformed or too
+    deeply nested JSON and
     400 "invalid_type" / "missing_required_parameter" (param = the field) for a wrong shape."""
     try:
         return decoder.decode(body)
@@ -70,6 +71,9 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise from_validation_error(exc) from exc
     except msgspec.DecodeError as exc:
         raise invalid(None, f"the request body is not valid JSON: {exc}", "invalid_json") from exc
+    except RecursionError as exc:  # msgspec stops past the interpreter's recursion limit (about 1,000 levels)
+        raise invalid(None, "the request body nests JSON arrays or objects deeper than this server reads; "
+                      "flatten it", "invalid_json") from exc
 
 
 def from_sampling_error(exc: ValueError, max_tokens_param: str = "max_tokens") -> RequestError:

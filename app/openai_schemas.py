@@ -59,6 +59,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, as vLLM takes it
 MAX_SAMPLES = 128  # `n`: OpenAI's bound
 # Chat roles the server renders; "developer" (OpenAI's newer name for system) is rendered as system.
+MAX_USER_CHARS = 256  # `user` identifies an end user in the log; nothing longer is kept
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 CHAT_TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})  # refused on completions only
 COMPLETION_ONLY_FIELDS = frozenset({"best_of", "echo"})  # refused on chat only
@@ -200,10 +201,13 @@ class CompletionRequest(_RequestBase, kw_only=True):
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse what kvfence does not do or bound: transfer fields, `UNSUPPORTED_FIELDS` with a value
     that would change the output, too many or too long stop strings, too many stop_token_ids,
-    temperature outside [0, 2], a seed outside int64, max_tokens < 1. Raises RequestError(400)
+    temperature outside [0, 2], a seed outside int64, max_tokens < 1, a `user` over MAX_USER_CHARS
+    characters (it is logged). Raises RequestError(400)
     naming the field. (top_p and top_k are bounded by `SamplingParams`; token ids against the
     vocabulary by the API, which knows it.)"""
     check_forbidden(req)
+    if req.user is not None and len(req.user) > MAX_USER_CHARS:
+        raise invalid("user", f"user must be at most {MAX_USER_CHARS} characters, got {len(req.user)}")
     for field, no_ops in UNSUPPORTED_FIELDS.items():
         if field in CHAT_TOOL_FIELDS and isinstance(req, ChatCompletionRequest):
             continue  # chat takes them (app/tools.py)

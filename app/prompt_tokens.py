@@ -6,10 +6,18 @@ tokenization: no token stands for more bytes than the longest entry of the vocab
 of N bytes is at least N / that many tokens; one that cannot fit the context is refused at once
 (a 3 MB prompt costs a pass over its bytes, not seconds of BPE). The rest is tokenized by
 `Tokenizer.encode`, which releases the GIL, so the event loop runs meanwhile.
+
+A chat's messages are what its users wrote, so a special token's text inside them ("<|im_start|>
+system") is encoded as that text, never as the special token: otherwise a message could close its
+own turn and open a system one, which the chat template exists to prevent (`encode_chat`). An
+operator whose clients must send special tokens in content allows it with
+`--allow-special-tokens-in-content`.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from typing import Any
 
 from kvfence.engine.chat_template import ChatTemplateError, render_chat
@@ -30,15 +38,65 @@ class PromptEncoder:
     def encode(self, text: str, *, add_bos: bool | None, where: str, max_context_tokens: int) -> list[int]:
         """The ids of `text`, or RequestError 400 `context_length_exceeded` (param `where`) for a
         long text that cannot fit `max_context_tokens` whatever it tokenizes to."""
+        self._check_fits(text, where, max_context_tokens)
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def _check_fits(self, text: str, where: str, max_context_tokens: int) -> None:
+        """RequestError 400 for a long text that cannot fit whatever it tokenizes to."""
         if len(text) <= SHORT_TEXT_CHARS:
-            return self.tokenizer.encode(text, add_bos=add_bos)
+            return
         nbytes, at_least = self.min_tokens(text)
         if at_least >= max_context_tokens:
             raise RequestError(400, "context_length_exceeded",
                                f"This model's maximum context length is {max_context_tokens} tokens. However, your "
                                f"{where} is {nbytes} bytes long, which is at least {at_least} tokens. Please reduce "
                                f"the length of the {where}.", param=where)
-        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
+                    allow_special: bool, max_context_tokens: int, add_generation_prompt: bool = True,
+                    add_bos: bool | None = False) -> list[int]:
+        """The ids of the chat as its template renders it (`chat_text`). Unless `allow_special`,
+        every string of the messages and tools that spells out a special token is encoded as
+        text: the chat is rendered with a marker in its place, the template's own text around the
+        markers is encoded as usual, and each such string with `Tokenizer.encode_as_text`.
+        RequestError 400 as `encode` and `chat_text` raise them, or when the template drops or
+        alters a marker (the string could not be kept apart from the template's text)."""
+        tok = self.tokenizer
+        text = chat_text(tok, messages, add_generation_prompt, tools)
+        if allow_special:
+            return self.encode(text, add_bos=add_bos, where="messages", max_context_tokens=max_context_tokens)
+        user_texts: list[str] = []
+        marker = f"\ue000{secrets.token_hex(8)}"
+
+        def guard(value: Any, key: str = "") -> Any:
+            if isinstance(value, str):
+                if key in ("role", "type") or not tok.has_special_text(value):
+                    return value
+                user_texts.append(value)
+                return f"{marker}{len(user_texts) - 1}\ue001"
+            if isinstance(value, dict):
+                return {k: guard(v, k) for k, v in value.items()}
+            if isinstance(value, list):
+                return [guard(v, key) for v in value]
+            return value
+
+        guarded_messages, guarded_tools = guard(messages), guard(tools)
+        if not user_texts:
+            return self.encode(text, add_bos=add_bos, where="messages", max_context_tokens=max_context_tokens)
+        self._check_fits(text, "messages", max_context_tokens)
+        parts = re.split(f"{marker}(\\d+)\ue001", chat_text(tok, guarded_messages, add_generation_prompt,
+                                                              guarded_tools))
+        if sorted(int(i) for i in parts[1::2]) != list(range(len(user_texts))):
+            raise RequestError(400, "invalid_messages", "a message spells out a special token of this model, and "
+                               "its chat template does not keep message text apart from its own: remove the "
+                               "special token's text from the message", param="messages")
+        ids: list[int] = []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                ids += tok.encode(part, add_bos=add_bos if k == 0 else False) if part or k == 0 else []
+            else:
+                ids += tok.encode_as_text(user_texts[int(part)])
+        return ids
 
     def min_tokens(self, text: str) -> tuple[int, int]:
         """(UTF-8 bytes of `text`, a lower bound on its token count). The bound is 0 for a

@@ -18,6 +18,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from kvfence.app.config import ServeConfig
 from kvfence.app.api_keys import ApiKeys
+from kvfence.app.edge import allowed_hosts
 from kvfence.app.grammar_compiler import GrammarCompiler
 from kvfence.app.http_api import build_app
 from kvfence.app.pairing import pair_workers, role_record
@@ -160,9 +161,12 @@ async def serve_http(tg: anyio.abc.TaskGroup, config: ServeConfig, model_name: s
     http = config.server
     grammars = GrammarCompiler(tokenizer, vocab_size, budget_s=http.grammar_compile_timeout_s)
     grammars.start()
+    keys = ApiKeys.load(http.api_keys)
     app = build_app(engine, metrics_text, max_body_bytes=http.max_body_bytes, stall_timeout_s=http.stall_timeout_s,
-                    api_keys=ApiKeys.load(http.api_keys), grammars=grammars,
-                    max_response_entries=http.max_response_entries)
+                    api_keys=keys, grammars=grammars, max_response_entries=http.max_response_entries,
+                    body_timeout_s=http.body_timeout_s, allow_special_tokens=http.allow_special_tokens_in_content,
+                    allowed_hosts=allowed_hosts(http.allowed_hosts, http.host, keys.enabled),
+                    max_in_flight=http.max_requests_in_flight)
     hyper = HypercornConfig()
     hyper.bind = [f"{http.host}:{http.port}"]
     hyper.accesslog = None

@@ -35,7 +35,7 @@ from starlette.responses import Response
 from kvfence.app import openai_schemas as s
 from kvfence.app.engine_client import EngineClient
 from kvfence.app.http_errors import decode_body, model_not_found
-from kvfence.app.prompt_tokens import PromptEncoder, chat_text
+from kvfence.app.prompt_tokens import PromptEncoder
 
 # The refused transfer / tenant fields, each UNSET unless the body carries it (even as null), so
 # that a body carrying one is refused by name; built from FORBIDDEN_FIELDS so the two never differ.
@@ -117,24 +117,21 @@ class TokenRoutes:
         engine = self.host.engine
         tok = engine.tokenizer
         if req.messages is not None:
-            where, text = "messages", self._render(req.model, req.messages, req.add_generation_prompt is not False)
-            add_bos: bool | None = None if req.add_special_tokens else False  # chat completions: False
+            chat = s.chat_messages(s.ChatCompletionRequest(model=req.model, messages=req.messages))
+            ids = self.host.prompts.encode_chat(chat, None, allow_special=self.host.allow_special_tokens,
+                                                max_context_tokens=engine.max_context_tokens,
+                                                add_generation_prompt=req.add_generation_prompt is not False,
+                                                add_bos=None if req.add_special_tokens else False)  # chat: False
         elif req.prompt is not None:
-            where, text = "prompt", req.prompt
             add_bos = False if req.add_special_tokens is False else None  # completions: None
+            ids = self.host.prompts.encode(req.prompt, add_bos=add_bos, where="prompt",
+                                           max_context_tokens=engine.max_context_tokens)
         else:
             raise s.invalid("prompt", "send 'prompt' (a text) or 'messages' (a chat) to tokenize",
                             "missing_required_parameter")
-        ids = self.host.prompts.encode(text, add_bos=add_bos, where=where,
-                                       max_context_tokens=engine.max_context_tokens)
         strs = [tok.token_text(i) or "" for i in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_context_tokens, tokens=ids,
                                 token_strs=strs)
-
-    def _render(self, model: str, messages: list[s.ChatMessage], add_generation_prompt: bool) -> str:
-        """The chat as chat completions renders it."""
-        chat = s.chat_messages(s.ChatCompletionRequest(model=model, messages=messages))
-        return chat_text(self.host.engine.tokenizer, chat, add_generation_prompt)
 
     def _detokenize(self, body: bytes) -> DetokenizeResponse:
         req: DetokenizeRequest = decode_body(self.detokenize_decoder, body)

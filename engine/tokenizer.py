@@ -58,6 +58,23 @@ class Tokenizer:
         self._byte_of = ({c: b for b, c in enumerate(_byte_level_alphabet())}
                          if isinstance(inner.decoder, decoders.ByteLevel) else None)
         self._special_ids = frozenset(inner.get_added_tokens_decoder())
+        specials = sorted((t.content for t in inner.get_added_tokens_decoder().values() if t.special and t.content),
+                          key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._as_text: RustTokenizer | None = None  # encodes special tokens' text as text (encode_as_text)
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` spells out a special token (e.g. "<|im_start|>")."""
+        return self._special_text is not None and self._special_text.search(text) is not None
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of `text` read as what a user wrote: a special token's text in it is encoded
+        as ordinary text, never as the special token (releases the GIL, like `encode`)."""
+        if self._as_text is None:  # a race only builds it twice
+            plain = RustTokenizer.from_str(self.inner.to_str())
+            plain.encode_special_tokens = True
+            self._as_text = plain
+        return self._as_text.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognised as such.

@@ -130,3 +130,28 @@ def test_a_dead_end_grammar_fails_alone_among_six(server: ServerProcess) -> None
     assert isinstance(dead, openai.BadRequestError), dead
     assert dead.body["code"] == "grammar_dead_end"  # type: ignore[index]
     assert together[1:] == alone
+
+
+def test_three_hundred_half_sent_bodies_stop_neither_health_nor_a_chat(server: ServerProcess) -> None:
+    """300 connections each send a request's headers and the start of its body, then nothing:
+    each waits for its body (bounded by --body-timeout, its bytes by the bodies' budget), and
+    meanwhile /health answers and an ordinary chat streams to its end."""
+    import socket
+
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{\"model\": \"")
+    held = []
+    try:
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(head)
+            held.append(sock)
+        assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+            done = c.chat.completions.create(**chat("Say hello.", max_tokens=16, temperature=0,
+                                                    extra_body={"ignore_eos": True}))
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 16
+        assert all(s.fileno() >= 0 for s in held)  # still held open: nothing was refused to make room
+    finally:
+        for sock in held:
+            sock.close()

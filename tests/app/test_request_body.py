@@ -10,7 +10,7 @@ import pytest
 from starlette.requests import ClientDisconnect, Request
 
 from kvfence.app import request_body
-from kvfence.app.request_body import BodyTooLarge, RefusedBody, read_body
+from kvfence.app.request_body import BodyRefusal, RefusedBody, read_body
 
 LIMIT = 1000
 
@@ -69,7 +69,7 @@ def test_the_413_goes_out_complete_before_the_rest_is_drained_then_the_response_
         try:
             await read(client)
         except RefusedBody as refused:
-            await BodyTooLarge(refused)(client.scope, client.receive, client.send)
+            await BodyRefusal(refused)(client.scope, client.receive, client.send)
 
     anyio.run(main)
     (taken0, start), (taken1, body), (taken2, end) = client.sent
@@ -89,7 +89,7 @@ def test_a_body_already_complete_is_not_drained() -> None:
                 await read(client)
             except RefusedBody as refused:
                 assert not refused.body_ended  # the end comes in its own message here
-                await BodyTooLarge(refused)(client.scope, client.receive, client.send)
+                await BodyRefusal(refused)(client.scope, client.receive, client.send)
 
     anyio.run(main)
     whole = Client([])
@@ -101,7 +101,7 @@ def test_a_body_already_complete_is_not_drained() -> None:
                 await read(whole)
             except RefusedBody as refused:
                 assert refused.body_ended
-                await BodyTooLarge(refused)(whole.scope, whole.receive, whole.send)
+                await BodyRefusal(refused)(whole.scope, whole.receive, whole.send)
 
     anyio.run(whole_body)
     assert [m["more_body"] for _, m in whole.sent[1:]] == [False]  # complete at once, no drain
@@ -116,7 +116,7 @@ def test_the_drain_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
             try:
                 await read(client)
             except RefusedBody as refused:
-                await BodyTooLarge(refused)(client.scope, client.receive, client.send)
+                await BodyRefusal(refused)(client.scope, client.receive, client.send)
 
     anyio.run(main)
     assert client.taken < 10 and client.sent[-1][1]["more_body"] is False
@@ -131,7 +131,7 @@ def test_the_drain_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
             try:
                 await read(client)
             except RefusedBody as refused:
-                await BodyTooLarge(refused)(client.scope, client.receive, client.send)
+                await BodyRefusal(refused)(client.scope, client.receive, client.send)
 
     anyio.run(main)
     assert client.sent[-1][1]["more_body"] is False
@@ -142,3 +142,34 @@ def test_a_client_that_leaves_mid_body_is_a_disconnect() -> None:
     client.messages.append({"type": "http.disconnect"})
     with pytest.raises(ClientDisconnect):
         anyio.run(read, client)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408() -> None:
+    client = Client([b"x" * 100], ends=False)  # half sent, then nothing
+
+    async def slow() -> bytes:
+        return await read_body(Request(client.scope, client.receive), LIMIT, timeout_s=0.1)
+
+    with pytest.raises(RefusedBody) as info:
+        anyio.run(slow)
+    assert (info.value.error.status, info.value.error.code) == (408, "request_timeout")
+    assert not info.value.body_ended
+
+
+def test_bodies_being_received_share_one_budget_and_give_it_back() -> None:
+    budget = request_body.BodyBudget(1500)
+    first, second = Client([b"a" * 600, b"b" * 400], ends=False), Client([b"c" * 600])
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_body, Request(first.scope, first.receive), LIMIT, budget)  # holds 1000 bytes, waits
+            await anyio.sleep(0.05)
+            assert budget.held == 1000
+            with pytest.raises(RefusedBody) as info:
+                await read_body(Request(second.scope, second.receive), LIMIT, budget)
+            assert (info.value.error.status, info.value.error.code) == (503, "overloaded")
+            assert info.value.error.retry_after_s is not None
+            tg.cancel_scope.cancel()
+        assert budget.held == 0  # the cancelled read gave its bytes back too
+
+    anyio.run(run)

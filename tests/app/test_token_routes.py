@@ -20,7 +20,8 @@ from kvfence.app.http_api import INLINE_BODY_BYTES, build_app
 from kvfence.engine.tokenizer import Tokenizer
 
 TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
-MESSAGES = [{"role": "system", "content": "be"}, {"role": "user", "content": "hé <|im_end|> wö"}]  # 40 tokens
+# the special token's text in a message is encoded as text (12 tokens here), in both routes: 44 tokens
+MESSAGES = [{"role": "system", "content": "be"}, {"role": "user", "content": "é<|im_end|>"}]
 
 
 def call(engine: StubEngine, path: str, body: object, headers: dict[str, str] | None = None,
