@@ -7,7 +7,8 @@ The file is TOML; each tenant is a table under `tenants`, with its keys stored a
     key_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
     max_running = 8           # requests holding KV pages at once
     max_queued = 32           # requests waiting for pages
-    tokens_per_minute = 200000
+    tokens_per_minute = 200000   # charged prompt + max_tokens at admission, settled at the end
+    weight = 2                # its share of running slots and decode pages against others' (default 1)
 
     [admin]                   # /metrics and the admin routes
     key_sha256 = ["..."]
@@ -16,7 +17,9 @@ A digest is `printf %s "$KEY" | sha256sum`; `kvfence api-key` prints a fresh key
 A key arrives as `Authorization: Bearer KEY`; its digest is compared with every known digest in
 constant time (`hmac.compare_digest`, no early exit), so neither the match nor its position shows
 in the time taken. Without a file there are no keys: every request is the anonymous tenant and
-/metrics is open, as before.
+/metrics is open, as before; each client address is then a fair share of its own within it
+(`Tenant.share`), so one client's flood cannot take every slot (behind a proxy every request
+comes from the proxy's address, and they share one).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 from kvfence.scheduler.tenants import ANONYMOUS, RESERVED_NAMES, Tenant
 
 _DIGEST_LEN = 64
-_TENANT_FIELDS = {"key_sha256", "max_running", "max_queued", "tokens_per_minute"}
+_TENANT_FIELDS = {"key_sha256", "max_running", "max_queued", "tokens_per_minute", "weight"}
 
 
 class ApiKeysError(ValueError):

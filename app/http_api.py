@@ -116,6 +116,8 @@ class _Api:
         tenant = self.keys.tenant(request.headers.get("authorization"))
         if tenant is None:
             return self._unauthorized("a valid API key")
+        if not self.keys.enabled and request.client is not None:  # without keys, each client is a share
+            tenant = dataclasses.replace(tenant, share=request.client.host)
         try:
             prep = await self._from_body(request, lambda body: self._prepare(body, chat))
             prep = await self._compile_grammar(prep, tenant.name)

@@ -184,7 +184,8 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             self._arrivals += 1
             req = Request(id_hex(self.mint()), list(prompt), params, max_tokens,
                           TextOutput(self.tokenizer, prompt, params, max_tokens), now, tokens=list(prompt),
-                          prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name)
+                          prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name,
+                          share=tenant.share_key, weight=tenant.weight)
             if self.config.prefix_cache and not priority:
                 scope = "*" if self.config.unsafe_cache_across_tenants else tenant.name  # "*": not a tenant name
                 req.cache_root, req.seal = chain_root(scope, cache_salt), self._seal_of(scope)
@@ -197,7 +198,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             else:
                 self.queue.append(req)
             admitted.append(req)
-        load.spend(len(prompt), now)
+        load.spend(len(prompt) + len(samples) * max_tokens, now)  # what it may use; settled at its end (_end)
         self._schedule(now)
         return admitted
 
@@ -327,7 +328,8 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         """Time passed: expire queued requests past their deadline, and ask every idle worker not
         heard from for a heartbeat interval for its incarnation (a restart is seen within about
         a heartbeat even when nothing runs)."""
-        for req in [r for r in self.queue if now - r.queued_s > self.config.queue_timeout_s]:
+        # a preempted request that has streamed output keeps its place: it is never timed out
+        for req in [r for r in self.queue if now - r.queued_s > self.config.queue_timeout_s and not r.num_generated]:
             self.metrics.rejected("queue_timeout")
             self._end(req, RequestError(503, "overloaded", f"waited {self.config.queue_timeout_s:g} s for KV pages; "
                                         "retry shortly", error_type="service_unavailable", retry_after_s=1), now)
@@ -444,6 +446,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             del self._running[req.state][req.request_id]
             load.running -= 1
         del self._live[req.request_id]
+        load.spend(req.num_generated - req.max_tokens, now)  # give back what was charged and not used
         delta = req.fail(error) if error is not None else req.finish(last)  # type: ignore[arg-type]
         self._release_leases(req)
         if delta is not None:
@@ -470,7 +473,6 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
     def _accept_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
         req.tokens.append(token)
         self.metrics.token(req, now)
-        self._tenants[req.tenant].spend(1, now)
         delta = req.output.accept(token, logprobs)
         if req.prompt_logprobs and req.num_generated == 1:  # the prompt's go with the first token
             delta = dataclasses.replace(delta, prompt_logprobs=req.prompt_logprobs)

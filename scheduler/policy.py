@@ -73,15 +73,3 @@ def pages_short(req: Request, page_size_tokens: int) -> int:
     """Pages a decoding request still needs before its next step: that step writes the K/V of
     its last token at position len(tokens) - 1."""
     return -(-len(req.tokens) // page_size_tokens) - len(req.decode_pages)
-
-
-def newest(candidates: list[Request], than: Request | None = None) -> Request | None:
-    """The most recently admitted of `candidates` (never a priority request), and only if it came
-    after `than`: a request is preempted only for an older one, so the oldest always progresses."""
-    pick = None
-    for req in candidates:
-        if req.priority or (than is not None and req.arrival <= than.arrival):
-            continue
-        if pick is None or req.arrival > pick.arrival:
-            pick = req
-    return pick

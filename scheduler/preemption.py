@@ -6,12 +6,16 @@ decode step every request whose next token lands in a page it does not own yet g
 oldest request first, as a PageGrant carried by that step's own message: the worker applies
 releases, then grants, then runs, so the page is tagged with the lease before the forward writes it.
 
-When no page is free the newest running request of that decode pool is preempted: its pages are released through the
-normal path (the worker untags and scrubs them in its next message) and it goes back to the front
-of the queue, to prefill prompt + everything it generated as a new attempt with new leases (in
-disaggregated mode: on the prefill worker, then a new transfer). A request is only ever preempted
-for an older one (or for a priority request, which is short), so the oldest always progresses and
-every request ends; one preempted more than `max_preemptions` times ends with 503 instead.
+When no page is free a running request of that decode pool is preempted: its pages are released
+through the normal path (the worker untags and scrubs them in its next message) and it goes back to
+the front of the queue, to prefill prompt + everything it generated as a new attempt with new
+leases (in disaggregated mode: on the prefill worker, then a new transfer); one that has streamed
+output keeps its place there and is never timed out. The victim (`_victim`) is the newest request
+of the fair-share group (a tenant, or without keys a client: `Request.share`) holding the most of
+that pool's pages for its weight; a request only ever preempts one that ranks above it in that
+order (group usage, then newness), so the lowest-ranked always progresses and every request ends
+(a priority request, which is short, may preempt any); one preempted more than `max_preemptions`
+times ends with 503 instead.
 
 All of it is synchronous, in the scheduler core, and only touches requests no step in flight holds.
 """
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvfence.scheduler.admission import quarantine_refusal
 from kvfence.scheduler.errors import RequestError
-from kvfence.scheduler.policy import newest, pages_short
+from kvfence.scheduler.policy import pages_short
 from kvfence.scheduler.request import Request, State
 
 if TYPE_CHECKING:
@@ -57,6 +61,26 @@ class Preemption:
         return [r for r in (*self.requests_in(State.PREFILLING), *self.requests_in(State.DECODING))
                 if not r.stepping and r.pair is not None and r.pair.decode is decode]
 
+    def _victim(self, decode: WorkerBinding, grower: Request | None) -> Request | None:
+        """The request to preempt on `decode` for `grower` (None: for a priority request, which may
+        take from anyone): among the preemptible ones other than the grower (never a priority
+        one), the newest of the group holding the most of the pool's pages for its weight; and
+        only if it ranks above the grower in that order (group usage, then newness), else None."""
+        candidates = [r for r in self._preemptible(decode) if r is not grower and not r.priority]
+        if not candidates:
+            return None
+        held: dict[str, int] = {}
+        for r in (*self.requests_in(State.PREFILLING), *self.requests_in(State.TRANSFERRING),
+                  *self.requests_in(State.DECODING)):
+            if r.pair is not None and r.pair.decode is decode:
+                held[r.share] = held.get(r.share, 0) + len(r.decode_pages)
+
+        def rank(r: Request) -> tuple[float, int]:
+            return held.get(r.share, 0) / r.weight, r.arrival
+
+        victim = max(candidates, key=rank)
+        return victim if grower is None or rank(victim) > rank(grower) else None
+
     def _grow(self, w: WorkerBinding, now: float) -> list[Request]:
         """Before a decode step of `w`: a priority request waiting for decode pages gets them, then
         each request decoding on `w`, oldest first, gets the page its next token lands in; when
@@ -81,7 +105,7 @@ class Preemption:
             if pages is not None:
                 req.decode_pages.extend(pages)  # one pool for both roles: the same list as prefill_pages
                 return
-            victim = newest(self._preemptible(decode), than=None if req.priority else req)
+            victim = self._victim(decode, None if req.priority else req)
             if victim is not None:
                 self._preempt(victim, now)
                 continue
@@ -110,7 +134,7 @@ class Preemption:
             return
         pair, needs = max(room, key=lambda r: r[0].decode.ledger.num_pages - r[0].decode.ledger.num_in_use)
         while not pair.decode.ledger.can_reserve(needs[pair.decode]):
-            victim = newest(self._preemptible(pair.decode))
+            victim = self._victim(pair.decode, None)
             if victim is None:
                 break
             self._preempt(victim, now)

@@ -101,6 +101,8 @@ class Request:
     # pages are cached in both pools, then shares them (SchedulerCore.submit_samples).
     leader: Request | None = None
     tenant: str = "anonymous"  # the authenticated tenant (scheduler/tenants.py); its leases are its own
+    share: str = "anonymous"  # its fair-share group (Tenant.share_key) and that group's weight
+    weight: int = 1
     # The prefix cache (scheduler/prefix_cache.py): the root of its chain of keys (None: not cached),
     # the seal of its tenant, the keys of the current attempt (for `keys_for` tokens), how many pages
     # of each page table it shares from the cache, and the prompt tokens its first attempt found cached.

@@ -204,11 +204,24 @@ class Reservation:
             w.table.seal(lease, req.seal, pages[shared:len(keys)], keys[shared:])
 
     def _next_to_start(self) -> Request | None:
-        """The first queued request whose tenant may run one more and that waits for no other: a
-        tenant at its running limit, or a sample whose first sample's prompt is not cached yet
-        (`_waits_for_leader`), waits without holding up the others behind it."""
-        return next((r for r in self.queue if r.priority or not (self._tenants[r.tenant].at_running_limit
-                                                                 or self._waits_for_leader(r))), None)
+        """The queued request to start next, among those whose tenant may run one more and that
+        wait for no other (a tenant at its running limit, or a sample whose first sample's prompt
+        is not cached yet, `_waits_for_leader`, waits without holding up the others): a priority
+        request first, then a preempted request that has streamed output (it keeps its place),
+        then the one whose fair-share group (`Request.share`: a tenant, or without keys a client)
+        runs the fewest requests for its weight, the earliest queued among equals. One group's
+        flood therefore takes only its share of the slots that free up."""
+        eligible = [r for r in self.queue if r.priority or not (self._tenants[r.tenant].at_running_limit
+                                                                or self._waits_for_leader(r))]
+        if not eligible:
+            return None
+        if eligible[0].priority or eligible[0].num_generated:
+            return eligible[0]
+        running: dict[str, int] = {}
+        for group in self._running.values():
+            for r in group.values():
+                running[r.share] = running.get(r.share, 0) + 1
+        return min(eligible, key=lambda r: (not r.num_generated, running.get(r.share, 0) / r.weight))
 
     @staticmethod
     def _waits_for_leader(req: Request) -> bool:

@@ -17,20 +17,33 @@ from kvfence.scheduler.errors import AdmissionRejected
 @dataclasses.dataclass(frozen=True)
 class Tenant:
     """`max_running`: requests holding pages at once; `max_queued`: requests waiting for pages;
-    `tokens_per_minute`: prompt plus generated tokens. None: no limit beyond the server's."""
+    `tokens_per_minute`: prompt plus generated tokens, charged at admission for the prompt and
+    max_tokens and settled when the request ends. None: no limit beyond the server's. `weight`:
+    its share of running slots and decode pages against the other tenants' (fair shares,
+    scheduler/reservation.py and scheduler/preemption.py). `share`: who within the tenant is a
+    share of its own ("": the tenant is one; without API keys, each client address is, so one
+    client's flood cannot take every slot); not part of the tenant's identity."""
 
     name: str
     max_running: int | None = None
     max_queued: int | None = None
     tokens_per_minute: int | None = None
+    weight: int = 1
+    share: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise ValueError(f"a tenant name is letters, digits, '-', '_' and '.', got {self.name!r}")
-        for field in ("max_running", "max_queued", "tokens_per_minute"):
+        for field in ("max_running", "max_queued", "tokens_per_minute", "weight"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"tenant {self.name!r}: {field} must be a positive integer, got {value!r}")
+
+
+    @property
+    def share_key(self) -> str:
+        """The fair-share group its requests count in."""
+        return f"{self.name}/{self.share}" if self.share else self.name
 
 
 ANONYMOUS = Tenant("anonymous")  # every request when the server runs without API keys
@@ -61,8 +74,10 @@ class TokenBucket:
         return max(1, math.ceil(round(-self.level / self.rate, 6)))
 
     def spend(self, tokens: int, now: float) -> None:
+        """Take `tokens` (a negative count gives back what was taken and not used, never past a
+        full bucket)."""
         self._refill(now)
-        self.level -= tokens
+        self.level = min(self.capacity, self.level - tokens)
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ def keys_file(tmp_path: Path, text: str | None = None) -> Path:
 key_sha256 = ["{key_digest(KEY_A)}"]
 max_running = 2
 tokens_per_minute = 1000
+weight = 3
 
 [tenants.b]
 key_sha256 = "{key_digest(KEY_B)}"
@@ -44,6 +45,7 @@ def test_each_key_authenticates_its_tenant_and_nothing_else(tmp_path: Path) -> N
     a, b = keys.tenant(bearer(KEY_A)), keys.tenant(bearer(KEY_B))
     assert a is not None and (a.name, a.max_running, a.tokens_per_minute, a.max_queued) == ("a", 2, 1000, None)
     assert b is not None and b.name == "b"
+    assert (a.weight, b.weight) == (3, 1)  # its fair share against the others' (default 1)
     for header in (None, "", "Bearer", "Bearer wrong", f"Basic {KEY_A}", KEY_A, bearer(ADMIN), bearer(KEY_A + "x")):
         assert keys.tenant(header) is None, header
     assert keys.is_admin(bearer(ADMIN)) and not keys.is_admin(bearer(KEY_A)) and not keys.is_admin(None)
@@ -58,6 +60,7 @@ def test_without_a_file_everyone_is_anonymous_and_admin() -> None:
 @pytest.mark.parametrize("text, complaint", [
     ("[tenants.a]\nkey_sha256 = ['abc']\n", "64 hex digits"),
     ("[tenants.anonymous]\nkey_sha256 = ['" + "0" * 64 + "']\n", "reserved"),
+    ("[tenants.a]\nkey_sha256 = ['" + "0" * 64 + "']\nweight = 0\n", "weight must be a positive integer"),
     ("[tenants.a]\nkey_sha256 = ['" + "0" * 64 + "']\n[tenants.b]\nkey_sha256 = ['" + "0" * 64 + "']\n",
      "listed twice"),
     ("[tenants.a]\nkey_sha256 = ['" + "0" * 64 + "']\nmax_runing = 3\n", "unknown keys"),

@@ -19,8 +19,9 @@ import pytest
 from server_process import ServerProcess, serving
 
 MODEL = "SmolLM2-135M-Instruct"
-ARGS = ("--transport", "tcp", "--canary-interval", "3600", "--max-context", "2048", "--prefill-num-pages", "256",
-        "--decode-num-pages", "512", "--chunk-tokens", "256")
+# default pools (4 contexts of decode pages, 2 of prefill) over a short context, so that sixteen
+# chats run the decode pool out as the default ones do over the model's full context
+ARGS = ("--transport", "tcp", "--canary-interval", "3600", "--max-context", "256")
 BOMB = {"type": "string", "pattern": "a{20000}"}  # 60 bytes; took 22 s to check before the shape limits
 # within every shape limit: only the compile budget (1 s by default) stops it
 SLOW = {"type": "string", "pattern": "(([a-z]{200}){200}){200}"}
@@ -64,7 +65,7 @@ def test_grammar_and_tool_bombs_are_refused_while_another_stream_flows(server: S
     events: list[str] = []
 
     async def stream(c: openai.AsyncOpenAI) -> int:
-        s = await c.chat.completions.create(**chat("Count from one to two hundred in words.", max_tokens=300,
+        s = await c.chat.completions.create(**chat("Count from one to two hundred in words.", max_tokens=200,
                                                    temperature=0, stream=True, stream_options={"include_usage": True},
                                                    extra_body={"ignore_eos": True}))
         tokens = 0
@@ -104,7 +105,7 @@ def test_grammar_and_tool_bombs_are_refused_while_another_stream_flows(server: S
     assert "20000" in errors[0].message and "longer than 1 s" in errors[2].message
     window = events[events.index("slow sent"):events.index("slow refused")]
     assert "health" in window and window.count("token") >= 3, window
-    assert tokens == 300
+    assert tokens == 200
 
 
 def test_a_dead_end_grammar_fails_alone_among_six(server: ServerProcess) -> None:
@@ -155,3 +156,29 @@ def test_three_hundred_half_sent_bodies_stop_neither_health_nor_a_chat(server: S
     finally:
         for sock in held:
             sock.close()
+
+
+def test_sixteen_chats_without_max_tokens_all_finish_none_mid_stream(server: ServerProcess) -> None:
+    """Sixteen official-client chats with no max_tokens, each generating to the end of the
+    context: together they need four times the decode pool, so requests are preempted after they
+    have streamed text. Each keeps its place, resumes, and ends with its whole output; none ends
+    mid-stream with an error."""
+    async def one(c: openai.AsyncOpenAI, k: int) -> tuple[str | None, int]:
+        s = await c.chat.completions.create(**chat(f"Tell story number {k} about a lighthouse.", stream=True,
+                                                   stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True}))
+        finish, tokens = None, 0
+        async for chunk in s:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage is not None:
+                tokens = chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        return finish, tokens
+
+    async def run() -> list[tuple[str | None, int]]:
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+            return await asyncio.gather(*(one(c, k) for k in range(16)))
+
+    results = asyncio.run(run())
+    assert all(finish == "length" and tokens == 256 for finish, tokens in results), results
+    assert server.metric("kvfence_preemptions_total") > 0  # the pool did run out

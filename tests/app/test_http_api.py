@@ -458,3 +458,14 @@ def test_a_special_tokens_text_in_a_message_is_encoded_as_text_unless_allowed() 
         assert ids == user_turn
         assert ids.count(start[0]) == (3 if allow else 2)  # the user's and the assistant's turns (and the injected)
     assert len(tok.encode_as_text(injected)) == len(injected.encode())  # one token per byte, no control token
+
+
+def test_without_keys_each_client_address_is_a_share_of_its_own() -> None:
+    """The anonymous tenant is one tenant (one prefix cache, one set of limits), but each client
+    address is a fair share within it (scheduler/reservation.py), so one client's flood cannot
+    take every slot; with keys the tenant itself is the share."""
+    engine = StubEngine("reject")
+    with TestClient(build_app(engine), client=("10.1.2.3", 5000)) as client:
+        client.post(CHAT, json=chat_body())
+    tenant = engine.tenants[-1]
+    assert tenant.name == "anonymous" and tenant.share_key == "anonymous/10.1.2.3"

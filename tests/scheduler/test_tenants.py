@@ -48,17 +48,32 @@ def test_a_tenant_at_its_running_limit_waits_and_others_pass_it(tiny: Checkpoint
 
 
 def test_tokens_per_minute_refuse_with_the_wait_until_the_bucket_refills(tiny: Checkpoint) -> None:
+    """A request is charged its prompt and its max_tokens at admission (what it may use, so no
+    request overshoots what its tenant may spend unseen), and given back what it did not use when
+    it ends."""
     c = core(tiny)
-    t = Tenant("t", tokens_per_minute=10)
-    c.submit(list(range(1, 9)), PARAMS, 0.0, tenant=t)  # 8 of 10
-    c.submit(list(range(1, 9)), PARAMS, 0.0, tenant=t)  # 2 left: admitted, into debt (-6)
+    t = Tenant("t", tokens_per_minute=20, max_running=1)
+    c.submit(list(range(1, 9)), PARAMS, 0.0, tenant=t)  # 8 + 4 of 20
+    waiting = c.submit(list(range(1, 9)), PARAMS, 0.0, tenant=t)  # 8 left: admitted, into debt (-4)
+    assert waiting.state is State.WAITING
     with pytest.raises(AdmissionRejected) as refused:
         c.submit([1], PARAMS, 0.0, tenant=t)
-    assert refused.value.status == 429 and refused.value.retry_after_s == 36  # 6 tokens at 1/6 token per second
+    assert refused.value.status == 429 and refused.value.retry_after_s == 12  # 4 tokens at 1/3 token per second
+    c.abort(waiting.request_id, 0.0)  # it ends having generated nothing: its 4 come back (0, not in debt)
+    c.submit([1], PARAMS, 0.0, tenant=t)  # into debt again (-5)
     with pytest.raises(AdmissionRejected):
-        c.submit([1], PARAMS, 35.0, tenant=t)
-    c.submit([1], PARAMS, 36.0, tenant=t)
-    c.submit([1], PARAMS, 36.0, tenant=Tenant("other", tokens_per_minute=10))  # buckets are per tenant
+        c.submit([1], PARAMS, 14.0, tenant=t)
+    c.submit([1], PARAMS, 15.0, tenant=t)
+    c.submit([1], PARAMS, 15.0, tenant=Tenant("other", tokens_per_minute=10))  # buckets are per tenant
+
+
+def test_one_request_cannot_overshoot_its_tenants_rate_unseen(tiny: Checkpoint) -> None:
+    c = core(tiny)
+    t = Tenant("t", tokens_per_minute=60)
+    c.submit([1, 2], SamplingParams(temperature=0, max_tokens=59), 0.0, tenant=t)  # may use more than a minute
+    with pytest.raises(AdmissionRejected) as refused:
+        c.submit([1], PARAMS, 0.0, tenant=t)  # refused now, not after the first has spent it
+    assert refused.value.retry_after_s == 1
 
 
 def test_a_bucket_never_holds_more_than_a_minute() -> None:
