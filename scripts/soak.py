@@ -17,13 +17,27 @@ drawn, by `--seed`, from these kinds:
                it at its stall timeout (seen at the end, in the page counts)
   oversized    a body over --max-body-bytes: must be 413
   malformed    invalid JSON, wrong types, unsupported or transfer fields: must be 400
+  grammar      a chat whose output follows a JSON schema (or any JSON object): served, and what
+               ends with "stop" parses and validates
+  samples      a chat asking for n = 2..4 choices: served, every choice free of other canaries
+  bomb         a schema built to be slow to compile (a huge repetition, the same in each of 20
+               tools, nested repetitions within every shape limit): must be 400 grammar_too_complex
+  dead_end     a schema no output can satisfy: must end with 400 grammar_dead_end, alone
+  fan_out      n = 128 x 20 logprobs over the whole context: must be 400 response_too_large
+  slow_body    a body that stops half-way: must be 408 request_timeout at the server's body timeout
+
+When it starts the server it also gives it two tenants (an API keys file): most clients are
+tenant "flood", which sends everything above at --concurrency; one more task is tenant "quiet",
+which sends a short streamed chat now and then for the whole run and measures its time to first
+token. A quiet request slower than --stall-bound to its first token is a stall (a failure).
 
 At the end it checks, and prints: no response carried another client's canary; every request
-ended within its bound (a hang is a failure); no 5xx answered bad input; once idle, every KV page
-is back (in use 0 in every pool, quarantined 0, since no injected fault here leaves a write in
-flight); and `/ready` is 200. Exit status 0 only when all hold.
+ended within its bound (a hang is a failure); no 5xx answered bad input (its own fault);
+no KV integrity violation; no stall of the quiet tenant; once idle, every KV page is back (in use
+0 in every pool, quarantined 0, since no injected fault here leaves a write in flight); and
+`/ready` is 200. Exit status 0 only when all hold.
 
-Usage: .venv/bin/python scripts/soak.py [--requests 200] [--concurrency 16] [--seed 1]
+Usage: .venv/bin/python scripts/soak.py [--requests 200] [--concurrency 16] [--seed 1] [--stall-bound 15]
            [--faults SPEC] [--url http://127.0.0.1:8000] [--server-arg=--transport=nixl --server-arg=--nixl-unauthenticated-ports-ok ...]
 """
 
@@ -32,10 +46,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import hashlib
 import json
 import os
 import random
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -48,8 +64,22 @@ import httpx
 MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_FAULTS = "corrupt@0.02,truncate@0.01,drop@0.01,delay=0.3@0.03,duplicate@0.02,late_write@0.02,reorder@0.02"
 STALL_TIMEOUT_S = 2.0
-KINDS = {"chat": 47, "near_limit": 3, "over_long": 8, "cancel": 14, "stalled": 3, "oversized": 5, "malformed": 20}
-BAD_INPUT = ("over_long", "oversized", "malformed")
+KINDS = {"chat": 35, "grammar": 8, "samples": 5, "near_limit": 2, "over_long": 6, "cancel": 10, "stalled": 2,
+         "oversized": 3, "malformed": 13, "bomb": 5, "dead_end": 3, "fan_out": 4, "slow_body": 4}
+BAD_INPUT = ("over_long", "oversized", "malformed", "bomb", "dead_end", "fan_out", "slow_body")
+BODY_TIMEOUT_S = 3.0
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["word", "n"],
+          "properties": {"word": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0}}}
+BOMBS = [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {
+        "type": "string", "pattern": "a{20000}"}}}},
+    {"tools": [{"type": "function", "function": {"name": f"f{i}",
+                                                 "parameters": {"type": "string", "pattern": "a{20000}"}}}
+               for i in range(20)], "tool_choice": "none"},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {"anyOf": [  # ~15 s to
+        {"type": "string", "pattern": "([a-z]{200}){%d}" % (200 + i)} for i in range(40)]}}}},  # compile: the budget
+]
+DEAD_END = {"type": "json_schema", "json_schema": {"name": "d", "schema": {"type": "string", "pattern": "[^\\s\\S]"}}}
 
 
 @dataclass
@@ -69,7 +99,10 @@ class Soak:
     context: int
     max_body_bytes: int
     canaries: list[str]
+    key: str | None = None  # the flooding tenant's API key, for the requests sent on raw sockets
     outcomes: list[Outcome] = field(default_factory=list)
+    quiet_ttft: list[float] = field(default_factory=list)  # the quiet tenant's times to first token
+    quiet_problems: list[str] = field(default_factory=list)
 
     def leaked(self, client: int, text: str) -> str | None:
         for other, canary in enumerate(self.canaries):
@@ -200,6 +233,10 @@ async def cancel(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: O
                     return
 
 
+def auth_header(soak: Soak) -> bytes:
+    return f"Authorization: Bearer {soak.key}\r\n".encode() if soak.key else b""
+
+
 async def stalled(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 2000, "ignore_eos": True,
                        "messages": [{"role": "user", "content": "Tell me a long story."}]}).encode()
@@ -209,8 +246,8 @@ async def stalled(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: 
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect((host, int(port)))
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      + auth_header(soak) + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             time.sleep(STALL_TIMEOUT_S * 3)  # never reads; the server must end the request meanwhile
 
     await asyncio.to_thread(send_and_stall)
@@ -252,8 +289,95 @@ async def malformed(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out
         out.problem = f"malformed input {body[:60]!r} got {r.status_code} {out.code}"
 
 
+async def grammar(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
+    client = rng.randrange(len(soak.canaries))
+    body = chat_body(soak, client, rng, stream=False)
+    body["max_tokens"] = 48
+    body["response_format"] = rng.choice([{"type": "json_object"},
+                                          {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}])
+    r = await http.post("/v1/chat/completions", json=body)
+    out.status, out.code = r.status_code, error_code(r)
+    if r.status_code == 200:
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] or ""
+        if (canary := soak.leaked(client, text)) is not None:
+            out.problem = f"client {client} received another client's canary {canary}"
+        elif choice["finish_reason"] == "stop":
+            try:
+                parsed = json.loads(text)
+                if body["response_format"]["type"] == "json_schema" and (
+                        set(parsed) != {"word", "n"} or not isinstance(parsed["n"], int)):
+                    out.problem = f"an output does not follow its schema: {text[:80]!r}"
+            except ValueError:
+                out.problem = f"a grammar-bound output is not JSON: {text[:80]!r}"
+    judge_served(out)
+
+
+async def samples(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
+    client = rng.randrange(len(soak.canaries))
+    body = chat_body(soak, client, rng, stream=False)
+    body["n"], body["temperature"] = rng.randint(2, 4), 0.8
+    r = await http.post("/v1/chat/completions", json=body)
+    out.status, out.code = r.status_code, error_code(r)
+    if r.status_code == 200:
+        choices = r.json()["choices"]
+        if len(choices) != body["n"]:
+            out.problem = f"asked for {body['n']} choices, got {len(choices)}"
+        for c in choices:
+            if (canary := soak.leaked(client, c["message"]["content"] or "")) is not None:
+                out.problem = f"client {client} received another client's canary {canary}"
+    judge_served(out)
+
+
+async def refused_as(http: httpx.AsyncClient, body: dict, out: Outcome, status: int, code: str) -> None:
+    r = await http.post("/v1/chat/completions", json=body)
+    out.status, out.code = r.status_code, error_code(r)
+    if (r.status_code, out.code) != (status, code) and not (out.status in (429, 503) and out.code == "overloaded"):
+        out.problem = f"expected {status} {code}, got {r.status_code} {out.code}"
+
+
+async def bomb(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **rng.choice(BOMBS)}
+    await refused_as(http, body, out, 400, "grammar_too_complex")
+
+
+async def dead_end(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Say something."}],
+            "response_format": DEAD_END}
+    r = await http.post("/v1/chat/completions", json=body)
+    out.status, out.code = r.status_code, error_code(r)
+    if out.code == "kv_transfer_failed":
+        out.faulted = True  # an injected fault ended it first
+    elif (r.status_code, out.code) != (400, "grammar_dead_end") and out.code != "overloaded":
+        out.problem = f"a dead-end grammar got {r.status_code} {out.code}"
+
+
+async def fan_out(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
+    body = {"model": MODEL, "n": 128, "logprobs": True, "top_logprobs": 20,
+            "messages": [{"role": "user", "content": "hi"}]}
+    await refused_as(http, body, out, 400, "response_too_large")
+
+
+async def slow_body(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
+    host, port = soak.url.removeprefix("http://").rsplit(":", 1)
+
+    def send_half() -> bytes:
+        with socket.create_connection((host, int(port)), timeout=BODY_TIMEOUT_S * 4) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      + auth_header(soak) + b"Content-Length: 1000\r\n\r\n{\"model\": \"")  # and nothing more
+            return s.recv(4096)
+
+    reply = await asyncio.to_thread(send_half)
+    status = reply.split(b" ", 2)[1] if reply.startswith(b"HTTP/1.1 ") else b""
+    out.status = int(status) if status.isdigit() else None
+    out.code = "request_timeout" if b"request_timeout" in reply else None
+    if out.status != 408:
+        out.problem = f"a half-sent body got {reply[:40]!r} instead of 408"
+
+
 RUNNERS = {"chat": chat, "near_limit": near_limit, "over_long": over_long, "cancel": cancel, "stalled": stalled,
-           "oversized": oversized, "malformed": malformed}
+           "oversized": oversized, "malformed": malformed, "grammar": grammar, "samples": samples, "bomb": bomb,
+           "dead_end": dead_end, "fan_out": fan_out, "slow_body": slow_body}
 
 
 async def one(soak: Soak, http: httpx.AsyncClient, kind: str, seed: int, bound_s: float) -> Outcome:
@@ -276,8 +400,12 @@ async def one(soak: Soak, http: httpx.AsyncClient, kind: str, seed: int, bound_s
     return out
 
 
+ADMIN_KEY: str | None = None  # the admin key of a server started with tenants (for /metrics)
+
+
 def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    headers = {"authorization": f"Bearer {ADMIN_KEY}"} if ADMIN_KEY else None
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     values = {}
     for line in text.splitlines():
         if m := re.match(r"^(kvfence_[\w]+)(\{[^}]*\})? (\S+)$", line):
@@ -290,16 +418,46 @@ def pages_held(url: str) -> dict[str, float]:
             if k.startswith("kvfence_kv_pages{") and ('state="in_use"' in k or 'state="quarantined"' in k) and v}
 
 
+async def quiet_probe(soak: Soak, http: httpx.AsyncClient, key: str | None) -> float | None:
+    """One short streamed chat of the quiet tenant: its time to first token (None: it got none)."""
+    body = {"model": MODEL, "stream": True, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": f"Name a colour. ({soak.rng.randrange(1 << 30)})"}]}
+    headers = {"authorization": f"Bearer {key}"} if key else None
+    t0 = time.monotonic()
+    async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            code = error_code(r)
+            if code not in ("kv_transfer_failed", "overloaded"):
+                soak.quiet_problems.append(f"a quiet tenant's chat got {r.status_code} {code}")
+            return None
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                    return time.monotonic() - t0
+    return None
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
 async def run(args: argparse.Namespace, url: str) -> int:
     rng = random.Random(args.seed)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.bound, connect=10)) as http:
+    flood_headers = {"authorization": f"Bearer {args.flood_key}"} if args.flood_key else None
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.bound, connect=10),
+                                 headers=flood_headers) as http:
         models = (await http.get("/v1/models")).json()
         soak = Soak(url, rng, models["data"][0].get("max_model_len", 8192), args.max_body_bytes,
-                    [f"zq{rng.randrange(16**8):08x}" for _ in range(args.clients)])
+                    [f"zq{rng.randrange(16**8):08x}" for _ in range(args.clients)], key=args.flood_key)
         kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=args.requests)
         queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         for kind in kinds:
             queue.put_nowait((kind, rng.randrange(1 << 30)))
+        solo = [t for t in [await quiet_probe(soak, http, args.quiet_key) for _ in range(10)] if t is not None]
+        done = asyncio.Event()
 
         async def worker() -> None:
             while not queue.empty():
@@ -308,9 +466,30 @@ async def run(args: argparse.Namespace, url: str) -> int:
                 if len(soak.outcomes) % 500 == 0:
                     print(f"  {len(soak.outcomes)} requests done", file=sys.stderr)
 
+        async def quiet() -> None:
+            while not done.is_set():
+                try:
+                    async with asyncio.timeout(args.bound):
+                        ttft = await quiet_probe(soak, http, args.quiet_key)
+                except (TimeoutError, httpx.HTTPError) as e:
+                    soak.quiet_problems.append(f"a quiet tenant's chat failed: {e!r}")
+                    ttft = None
+                if ttft is not None:
+                    soak.quiet_ttft.append(ttft)
+                    if ttft > args.stall_bound:
+                        soak.quiet_problems.append(f"the quiet tenant waited {ttft:.1f} s for a first token")
+                await asyncio.sleep(1.0)
+
         t0 = time.monotonic()
+        watcher = asyncio.create_task(quiet())
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        done.set()
+        await watcher
         elapsed = time.monotonic() - t0
+    beside = soak.quiet_ttft
+    print(f"quiet tenant's time to first token: alone p50 {percentile(solo, 0.5):.3f} s p99 "
+          f"{percentile(solo, 0.99):.3f} s ({len(solo)}); beside the flood p50 {percentile(beside, 0.5):.3f} s "
+          f"p99 {percentile(beside, 0.99):.3f} s max {max(beside, default=0):.3f} s ({len(beside)})")
     return report(soak, url, elapsed)
 
 
@@ -321,22 +500,27 @@ def report(soak: Soak, url: str, elapsed: float) -> int:
     ready = httpx.get(url + "/ready", timeout=10).status_code
     values = metrics(url)
     problems = [o for o in soak.outcomes if o.problem]
+    violations = sum(v for k, v in values.items() if 'integrity_violations_total' in k)
     by_kind = collections.Counter(o.kind for o in soak.outcomes)
     faulted = sum(o.faulted for o in soak.outcomes)
     transfers_failed = values.get('kvfence_kv_transfers_total{result="failed"}', 0)
     print(f"requests: {len(soak.outcomes)} in {elapsed:.1f} s ({', '.join(f'{k} {n}' for k, n in by_kind.items())})")
     print(f"injected transfer faults seen by clients: {faulted}; failed transfers (server): {transfers_failed:g}")
     print(f"slowest request: {max((o.seconds for o in soak.outcomes), default=0):.1f} s")
-    print(f"integrity violations: {sum(v for k, v in values.items() if 'integrity_violations_total' in k):g}")
+    print(f"integrity violations: {violations:g}")
     print(f"pages still held once idle: {held or 0}")
     print(f"/ready: {ready}")
     for o in problems[:20]:
         print(f"PROBLEM [{o.kind}] {o.problem}")
+    for p in soak.quiet_problems[:20]:
+        print(f"PROBLEM [quiet] {p}")
     hangs = sum("a hang" in (o.problem or "") for o in problems)
     leaks = sum("canary" in (o.problem or "") for o in problems)
-    print(f"verdict: {len(problems)} problems ({hangs} hangs, {leaks} canary leaks), "
+    count = len(problems) + len(soak.quiet_problems) + (1 if violations else 0)
+    print(f"verdict: {count} problems ({hangs} hangs, {leaks} canary leaks, {len(soak.quiet_problems)} of the quiet "
+          f"tenant, {violations:g} integrity violations), "
           f"{'pages at baseline' if not held else 'PAGES NOT AT BASELINE'}, ready {ready}")
-    return 0 if not problems and not held and ready == 200 else 1
+    return 0 if not count and not held and ready == 200 else 1
 
 
 def free_port() -> int:
@@ -345,13 +529,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def write_keys(args: argparse.Namespace, path: Path) -> None:
+    """Two tenants and an admin: their keys into `args`, their digests into the keys file."""
+    global ADMIN_KEY
+    args.flood_key, args.quiet_key, ADMIN_KEY = (f"soak-{secrets.token_hex(16)}" for _ in range(3))
+    digest = lambda key: hashlib.sha256(key.encode()).hexdigest()  # noqa: E731
+    path.write_text(f'[tenants.flood]\nkey_sha256 = ["{digest(args.flood_key)}"]\n\n'
+                    f'[tenants.quiet]\nkey_sha256 = ["{digest(args.quiet_key)}"]\n\n'
+                    f'[admin]\nkey_sha256 = ["{digest(ADMIN_KEY)}"]\n')
+
+
 def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     kvfence = Path(sys.executable).with_name("kvfence")
+    keys = log.with_name(log.name + ".keys.toml")
+    write_keys(args, keys)
     cmd = [str(kvfence), "serve", "--port", str(port), "--kv-sanitizer", "--fault-inject", args.faults,
            "--transfer-timeout", "3", "--stall-timeout", str(STALL_TIMEOUT_S), "--max-body-bytes",
            str(args.max_body_bytes), "--canary-interval", "5", "--max-context", str(args.max_context),
-           *args.server_arg]
+           "--body-timeout", str(BODY_TIMEOUT_S), "--api-keys", str(keys), *args.server_arg]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -382,6 +578,10 @@ def main() -> int:
     parser.add_argument("--url", default=None, help="a running server instead of starting one")
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for kvfence serve")
     parser.add_argument("--log", type=Path, default=Path("soak-server.log"))
+    parser.add_argument("--stall-bound", type=float, default=15.0,
+                        help="seconds the quiet tenant may wait for a first token beside the flood")
+    parser.add_argument("--flood-key", default=None, help="with --url: the API key of the flooding tenant")
+    parser.add_argument("--quiet-key", default=None, help="with --url: the API key of the quiet tenant")
     args = parser.parse_args()
     if args.url:
         return asyncio.run(run(args, args.url))

@@ -1,6 +1,8 @@
-"""A short run of scripts/soak.py in CI: a real server with faults injected into its transfers,
-a seeded mix of good, bad, cancelled and stalled requests, and its verdict (no canary crossed,
-no hang, no 5xx on bad input, pages at baseline, still ready). The 10,000-request run is measured
+"""A short run of scripts/soak.py in CI: a real server with faults injected into its transfers and
+two tenants, a seeded mix of good, bad, hostile (grammar bombs, dead ends, fan-out, slow bodies),
+cancelled and stalled requests from one while the other measures its time to first token, and its
+verdict (no canary crossed, no hang, no 5xx on bad input, no integrity violation, no stall of the
+quiet tenant, pages at baseline, still ready). The 10,000-request run is measured
 once and written down in docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -22,5 +24,6 @@ def test_a_short_soak_keeps_every_promise(default_model_path: Path, tmp_path: Pa
         capture_output=True, text=True, timeout=600)
     verdict = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{(tmp_path / 'server.log').read_text()[-4000:]}"
-    assert verdict.startswith("verdict: 0 problems (0 hangs, 0 canary leaks), pages at baseline, ready 200"), verdict
+    assert verdict.startswith("verdict: 0 problems (0 hangs, 0 canary leaks, 0 of the quiet tenant, 0 integrity "
+                              "violations), pages at baseline, ready 200"), verdict
     assert "requests: 60 " in run.stdout

@@ -23,8 +23,9 @@ MODEL = "SmolLM2-135M-Instruct"
 # chats run the decode pool out as the default ones do over the model's full context
 ARGS = ("--transport", "tcp", "--canary-interval", "3600", "--max-context", "256")
 BOMB = {"type": "string", "pattern": "a{20000}"}  # 60 bytes; took 22 s to check before the shape limits
-# within every shape limit: only the compile budget (1 s by default) stops it
-SLOW = {"type": "string", "pattern": "(([a-z]{200}){200}){200}"}
+# within every shape limit (2 KB, repetitions of 200-239): about 15 s to compile on this CPU, so
+# only the compile budget (1 s by default) stops it
+SLOW = {"anyOf": [{"type": "string", "pattern": "([a-z]{200}){%d}" % (200 + i)} for i in range(40)]}
 DEAD_END = {"type": "string", "pattern": "[^\\s\\S]"}  # '"' is allowed, then nothing
 
 
