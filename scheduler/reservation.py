@@ -52,6 +52,8 @@ class Reservation:
         mint: Callable[[], int]
 
         def num_running(self) -> int: ...
+        def _preemptible(self, decode: WorkerBinding) -> list[Request]: ...
+        def _preempt(self, req: Request, now: float) -> None: ...
         def _end(self, req: Request, error: RequestError | None, now: float, last: object = None) -> None: ...
         def _move(self, req: Request, new: State) -> None: ...
 
@@ -128,7 +130,8 @@ class Reservation:
             req = self._next_to_start()
             if req is None:
                 return
-            if not req.priority and self.num_running() >= self.config.max_running:
+            if not req.priority and self.num_running() >= self.config.max_running \
+                    and not self._make_slot_for_share(req, now):
                 return
             choice = self._route(req, running_on)
             if choice is None:
@@ -203,25 +206,46 @@ class Reservation:
         if len(keys) > shared:
             w.table.seal(lease, req.seal, pages[shared:len(keys)], keys[shared:])
 
-    def _next_to_start(self) -> Request | None:
-        """The queued request to start next, among those whose tenant may run one more and that
-        wait for no other (a tenant at its running limit, or a sample whose first sample's prompt
-        is not cached yet, `_waits_for_leader`, waits without holding up the others): a priority
-        request first, then a preempted request that has streamed output (it keeps its place),
-        then the one whose fair-share group (`Request.share`: a tenant, or without keys a client)
-        runs the fewest requests for its weight, the earliest queued among equals. One group's
-        flood therefore takes only its share of the slots that free up."""
-        eligible = [r for r in self.queue if r.priority or not (self._tenants[r.tenant].at_running_limit
-                                                                or self._waits_for_leader(r))]
-        if not eligible:
-            return None
-        if eligible[0].priority or eligible[0].num_generated:
-            return eligible[0]
+    def _running_per_share(self) -> dict[str, int]:
         running: dict[str, int] = {}
         for group in self._running.values():
             for r in group.values():
                 running[r.share] = running.get(r.share, 0) + 1
-        return min(eligible, key=lambda r: (not r.num_generated, running.get(r.share, 0) / r.weight))
+        return running
+
+    def _next_to_start(self) -> Request | None:
+        """The queued request to start next, among those whose tenant may run one more and that
+        wait for no other (a tenant at its running limit, or a sample whose first sample's prompt
+        is not cached yet, `_waits_for_leader`, waits without holding up the others): a priority
+        request first; then one of the fair-share group (`Request.share`: a tenant, or without
+        keys a client) that runs the fewest requests for its weight; within a group, a preempted
+        request that has streamed output first (it keeps its place), then the earliest queued.
+        One group's flood therefore takes only its share of the slots that free up."""
+        eligible = [r for r in self.queue if r.priority or not (self._tenants[r.tenant].at_running_limit
+                                                                or self._waits_for_leader(r))]
+        if not eligible:
+            return None
+        if eligible[0].priority:
+            return eligible[0]
+        running = self._running_per_share()
+        return min(eligible, key=lambda r: (running.get(r.share, 0) / r.weight, not r.num_generated))
+
+    def _make_slot_for_share(self, req: Request, now: float) -> bool:
+        """Every running slot is taken and `req` is next: when another group holds more slots for
+        its weight than `req`'s group would with one more (still at least as many after giving
+        one up), preempt that group's newest request that can be (scheduler/preemption.py) and
+        say True; so a tenant under its share gets a slot as soon as it asks, from the tenant
+        most over its share, and shares even out without taking slots back and forth."""
+        running = self._running_per_share()
+        mine = (running.get(req.share, 0) + 1) / req.weight
+        candidates = [r for w in self.workers for r in self._preemptible(w)
+                      if r.share != req.share and not r.priority and (running[r.share] - 1) / r.weight >= mine]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda r: (running[r.share] / r.weight, r.arrival))
+        log.info("%s gives its running slot to %s, whose group runs fewer for its weight", victim.who, req.who)
+        self._preempt(victim, now)
+        return True
 
     @staticmethod
     def _waits_for_leader(req: Request) -> bool:

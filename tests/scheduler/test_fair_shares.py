@@ -114,3 +114,38 @@ async def test_a_preempted_request_with_output_keeps_its_place_past_the_queue_de
     assert ends == ["length"] * 4
     await wait_idle(s)
     await serving.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_tenant_under_its_share_gets_a_slot_as_soon_as_it_asks(tiny: Checkpoint,
+                                                                       task_group: anyio.abc.TaskGroup) -> None:
+    """Every running slot is the flood's, on long requests: the other tenant's request does not
+    wait for one of them to end; the newest flood request gives up its slot (preempted, to resume
+    later where it stopped), and the other's first token comes before any flood request ends."""
+    serving = await start_serving(task_group, tiny, "colocated", config(max_running=2), num_pages=128)
+    s = serving.scheduler
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    handles = {f"flood{i}": s.submit([5 + i, 6, 7, 8], long, FLOOD) for i in range(3)}
+    floods = [s.core.request(h.request_id) for h in handles.values()]
+    with anyio.fail_after(30):
+        while sum(1 for r in floods if r is not None and r.num_generated > 0) < 2:
+            await anyio.sleep(0.001)
+    handles["other"] = s.submit([9, 10, 11], SamplingParams(temperature=0, max_tokens=4), OTHER)
+    events: list[str] = []
+
+    async def read(name: str, h: RequestHandle) -> None:
+        async for d in h.deltas():
+            if d.token_ids and name == "other" and "other first token" not in events:
+                events.append("other first token")
+            if d.terminal:
+                events.append(f"{name} {d.error.code if d.error else d.finish_reason}")
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for name, h in handles.items():
+                tg.start_soon(read, name, h)
+    assert events[0] == "other first token", events
+    assert sorted(events[1:]) == ["flood0 length", "flood1 length", "flood2 length", "other length"]
+    assert sum(r.preemptions for r in floods if r is not None) >= 1
+    await wait_idle(s)
+    await serving.aclose()

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Two tenants, one flooding: the quiet one's time to first token, alone and beside the flood.
+
+Starts `kvfence serve` (the default model; `--server-arg` adds flags) with an API keys file of two
+tenants, "flood" and "quiet". First the quiet tenant sends `--probes` short streamed chats one
+after another, alone; then the flood tenant keeps `--flood` streamed chats of `--flood-tokens`
+tokens in flight (more than the server's running slots, so its requests queue) while the quiet
+tenant sends the same probes again, one a second. Every prompt is unique (no prefix-cache hit on
+either side). Prints the quiet tenant's p50 / p99 time to first token in both phases and their
+ratio.
+
+    .venv/bin/python scripts/bench_fairness.py [--probes 20] [--flood 24] [--server-arg=--max-running=8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak import free_port, percentile  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+_unique = itertools.count()
+
+
+async def ttft(http: httpx.AsyncClient, key: str, max_tokens: int) -> float | None:
+    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Request {next(_unique)} {secrets.token_hex(4)}: name a colour."}]}
+    t0 = time.monotonic()
+    async with http.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"authorization": f"Bearer {key}"}) as r:
+        first = None
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                if any(c.get("delta", {}).get("content") for c in json.loads(line[6:]).get("choices", [])):
+                    first = time.monotonic() - t0
+        return first
+
+
+async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        for _ in range(3):  # warm up
+            await ttft(http, keys["quiet"], 8)
+        alone = [t for t in [await ttft(http, keys["quiet"], 8) for _ in range(args.probes)] if t is not None]
+        stop = asyncio.Event()
+
+        async def flooder() -> None:
+            while not stop.is_set():
+                await ttft(http, keys["flood"], args.flood_tokens)
+
+        floods = [asyncio.create_task(flooder()) for _ in range(args.flood)]
+        await asyncio.sleep(args.warmup)
+        beside = []
+        for _ in range(args.probes):
+            t = await ttft(http, keys["quiet"], 8)
+            if t is not None:
+                beside.append(t)
+            await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*floods)
+    return alone, beside
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--probes", type=int, default=20)
+    parser.add_argument("--flood", type=int, default=24, help="flood requests kept in flight")
+    parser.add_argument("--flood-tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds of flood before the quiet probes")
+    parser.add_argument("--server-arg", action="append", default=[])
+    args = parser.parse_args()
+    keys = {name: f"bench-{secrets.token_hex(16)}" for name in ("flood", "quiet")}
+    workdir = Path(tempfile.mkdtemp())
+    keys_file = workdir / "keys.toml"
+    keys_file.write_text("".join(f'[tenants.{n}]\nkey_sha256 = ["{hashlib.sha256(k.encode()).hexdigest()}"]\n\n'
+                                 for n, k in keys.items()))
+    port = free_port()
+    kvfence = Path(sys.executable).with_name("kvfence")
+    log = workdir / "server.log"
+    proc = subprocess.Popen([str(kvfence), "serve", "--port", str(port), "--api-keys", str(keys_file),
+                             "--canary-interval", "3600", *args.server_arg], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited; see {log}")
+            time.sleep(0.5)
+        alone, beside = asyncio.run(measure(url, keys, args))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    a50, a99, b50, b99 = (percentile(alone, 0.5), percentile(alone, 0.99), percentile(beside, 0.5),
+                          percentile(beside, 0.99))
+    print(f"quiet tenant, time to first token (s): alone p50 {a50:.3f} p99 {a99:.3f} ({len(alone)}); "
+          f"beside {args.flood} flood streams p50 {b50:.3f} p99 {b99:.3f} ({len(beside)}); p99 ratio {b99 / a99:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
