@@ -15,8 +15,9 @@ process it can kill (app/grammar_compiler.py: a time budget) and keeps the resul
 What it compiled lives in this process as a `Compiled` (found by its `key`, which names the tenant
 and the text, while any request holds it): a worker in the same process takes it from there and
 never compiles. A worker in another process compiles the text the lease's first sampling step
-carries (`LeaseGrammars`), once per key (LRU): the front end has already seen that text compile
-within its budget.
+carries (`LeaseGrammars`), once per key (LRU), in a background thread: until it is done that seq
+is left out of the worker's steps (`StepDone.deferred`), never the others. The front end has
+already seen that text compile within its budget.
 
 The worker that samples a request keeps one matcher per lease (`LeaseGrammars`), built from the
 lease's history on its first sampling step and advanced by the output tokens each later step
@@ -29,6 +30,7 @@ gets no token and its request ends with 400, alone (`apply_grammars`, engine/run
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import json
 import re
@@ -111,36 +113,83 @@ class Compiled:
 
 
 class LeaseGrammars:
-    """A worker's grammar matchers, one per lease whose sampling has a grammar."""
+    """A worker's grammar matchers, one per lease whose sampling has a grammar.
+
+    A grammar the front end compiled in this process is taken by key. Any other (a worker in
+    another process) is compiled here, in a background thread, never on the compute thread:
+    `ready` starts the compile and says False until it is done, and the worker leaves that seq
+    out of its step meanwhile (engine/worker.py, `StepDone.deferred`), so the other seqs of the
+    step never wait for it. The front end has seen the text compile within its budget."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: Any = None
         self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._pending: dict[str, concurrent.futures.Future[Any]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._matchers: dict[int, tuple[Any, int]] = {}  # lease -> (matcher, tokens of the sequence seen)
 
     def __len__(self) -> int:
         return len(self._matchers)
 
+    def _shared(self, key: str) -> Any:
+        shared = Compiled.live(key)
+        return shared.grammar if shared is not None and shared.vocab_size == self.vocab_size else None
+
+    def ready(self, key: str, spec: str | None) -> bool:
+        """Whether the grammar named `key` can be used now; when not, its compile from `spec` is
+        started (or goes on) in the background. True also when nothing can be done (no text):
+        `observe` then raises for that seq alone."""
+        if spec is None or self._shared(key) is not None or key in self._compiled:
+            return True
+        future = self._pending.get(key)
+        if future is None:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfence-grammar")
+            self._pending[key] = self._pool.submit(self._compile, spec)
+            return False
+        if not future.done():
+            return False
+        del self._pending[key]
+        try:
+            self._keep(key, future.result())
+        except ValueError:
+            pass  # `observe` compiles again and raises it for that seq
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Until some background compile is done, or `timeout_s` (a worker with nothing else to
+        run waits here instead of answering empty steps as fast as they come)."""
+        if self._pending:
+            concurrent.futures.wait(list(self._pending.values()), timeout_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _compile(self, spec: str) -> Any:
+        if self._compiler is None:  # one compile thread: no race
+            if self._tokenizer is None:
+                raise ValueError("this worker has no tokenizer, so it cannot enforce a grammar")
+            self._compiler = new_compiler(tokenizer_info(self._tokenizer, self.vocab_size))
+        return compile_spec(self._compiler, spec)
+
+    def _keep(self, key: str, compiled: Any) -> None:
+        self._compiled[key] = compiled
+        if len(self._compiled) > MAX_COMPILED:
+            self._compiled.popitem(last=False)
+
     def _grammar(self, key: str, spec: str | None) -> Any:
         """The compiled grammar named `key`: the front end's when it lives in this process, else
-        this worker's own, compiled from `spec` once."""
-        shared = Compiled.live(key)
-        if shared is not None and shared.vocab_size == self.vocab_size:
-            return shared.grammar
+        this worker's own (compiled from `spec` here when `ready` was not asked first: offline use)."""
+        shared = self._shared(key)
+        if shared is not None:
+            return shared
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key]
         if spec is None:
             raise ValueError(f"grammar {key} is not compiled here and the step does not carry its text")
-        if self._compiler is None:
-            if self._tokenizer is None:
-                raise ValueError("this worker has no tokenizer, so it cannot enforce a grammar")
-            self._compiler = new_compiler(tokenizer_info(self._tokenizer, self.vocab_size))
-        compiled = self._compiled[key] = compile_spec(self._compiler, spec)
-        if len(self._compiled) > MAX_COMPILED:
-            self._compiled.popitem(last=False)
+        compiled = self._compile(spec)
+        self._keep(key, compiled)
         return compiled
 
     def observe(self, lease: int, spec: str | None, position: int, token_ids: list[int], history: list[int] | None,

@@ -155,6 +155,9 @@ class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     # `score` that is not -1, in order
     prompt_logprobs: list[list[TokenLogprobs]] = []
     failed: list[SeqFailure] = []  # seqs that failed alone (their token is None)
+    # seqs left out of this step, untouched (their page tables extended, nothing read or written),
+    # until their grammar is compiled on this worker in the background: send them again as they were
+    deferred: list[int] = []
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):

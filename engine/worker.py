@@ -29,6 +29,8 @@ from kvfence.engine.protocol import (
 
 log = logging.getLogger(__name__)
 
+DEFERRED_WAIT_S = 0.05  # the longest a step of only deferred seqs waits for their grammar
+
 
 class Worker:
     def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison", tokenizer: Tokenizer | None = None) -> None:
@@ -127,7 +129,11 @@ class Worker:
         works: list[SeqWork] = []
         indices: list[int] = []  # the seq index of each work
         failed: list[SeqFailure] = []
+        deferred: list[int] = []
         for index, seq in enumerate(cmd.seqs):
+            if self._defer(seq):
+                deferred.append(index)
+                continue
             try:
                 works.append(self._work(seq))
                 indices.append(index)
@@ -135,6 +141,8 @@ class Worker:
                 log.exception("%s worker: step %d: seq %d (lease %s) failed", self.role, cmd.step_id, index,
                               id_hex(seq.lease))
                 failed.append(SeqFailure(index, f"{type(e).__name__}: {e}"))
+        if deferred and not works:
+            self.grammars.wait(DEFERRED_WAIT_S)  # nothing else to run: no empty steps as fast as they come
         n = len(cmd.seqs)
         tokens: list[int | None] = [None] * n
         violations: list[OwnerMismatch] = []
@@ -156,7 +164,19 @@ class Worker:
                 for j, index in enumerate(indices):
                     prompt_logprobs[index] = result.prompt_logprobs[j]
         return StepDone(cmd.step_id, tokens, violations, self.incarnation, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs, failed=sorted(failed, key=lambda f: f.seq_index)), logits
+                        prompt_logprobs=prompt_logprobs, failed=sorted(failed, key=lambda f: f.seq_index),
+                        deferred=deferred), logits
+
+    def _defer(self, s: SeqStep) -> bool:
+        """Leave `s` out of this step: its grammar is still being compiled here in the background
+        (engine/grammar.py); its page table is extended all the same (the scheduler counts the
+        pages sent), nothing else of it is applied."""
+        if s.history is None or s.sampling is None or s.sampling.grammar is None:
+            return False
+        if self.grammars.ready(s.sampling.grammar, s.grammar):
+            return False
+        self.page_tables.extend(s.lease, s.new_pages)
+        return True
 
     def _work(self, s: SeqStep) -> SeqWork:
         params = s.sampling.params() if s.sampling is not None else None

@@ -256,14 +256,18 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             req.stepping = False
         done = self._settle(w, step, reply, now)
         if done is not None:
+            deferred = set(done.deferred)  # left out until the worker compiled their grammar: sent again
+            for i in deferred:
+                step.requests[i].counted_lease = 0  # their history goes again with them
             logprobs = done.logprobs or [None] * len(done.tokens)
             for req, token, lp in zip(step.decodes, done.tokens, logprobs):
                 if req.state is State.DECODING and token is not None:
                     self._accept_token(req, token, lp, now)
             n = len(step.decodes)
             scores = done.prompt_logprobs or [[]] * len(done.tokens)
-            for (req, seq), token, lp, scored in zip(step.chunks, done.tokens[n:], logprobs[n:], scores[n:]):
-                if req.state.terminal or seq.lease != req.prefill_lease:  # ended, or a later attempt
+            for j, ((req, seq), token, lp, scored) in enumerate(zip(step.chunks, done.tokens[n:], logprobs[n:],
+                                                                    scores[n:])):
+                if req.state.terminal or seq.lease != req.prefill_lease or n + j in deferred:
                     continue
                 req.prompt_logprobs += scored
                 req.prefilled += len(seq.token_ids)
@@ -396,9 +400,18 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         self._actions.append(SendStep(w.name, message))
 
     def _prefill_order(self, w: WorkerBinding) -> list[Request]:
-        """Requests prefilling on `w`, priority ones first, else in the order they got their pages."""
-        return sorted((r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w),
-                      key=lambda r: not r.priority)
+        """Requests prefilling on `w` in the order the chunk budget goes to them: priority ones
+        first; then every fair-share group's first before any group's second (and so on), and
+        among those the one with the least left to prefill, so a group's short prompt is never
+        held up behind another group's long ones; a group's own requests keep the order they got
+        their pages in."""
+        reqs = [r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w]
+        ahead: dict[str, int] = {}
+        rank: dict[str, int] = {}
+        for r in reqs:
+            rank[r.request_id] = ahead.get(r.share, 0)
+            ahead[r.share] = rank[r.request_id] + 1
+        return sorted(reqs, key=lambda r: (not r.priority, rank[r.request_id], r.prefill_target - r.prefilled))
 
     # ---- lifecycle: the only places a state changes ----
 

@@ -395,7 +395,7 @@ async def one(soak: Soak, http: httpx.AsyncClient, kind: str, seed: int, bound_s
     except RuntimeError as e:
         out.problem = str(e)
     out.seconds = time.monotonic() - t0
-    if kind in BAD_INPUT and out.status is not None and out.status >= 500:
+    if kind in BAD_INPUT and out.status is not None and out.status >= 500 and not out.faulted:
         out.problem = f"bad input answered with {out.status}"
     return out
 

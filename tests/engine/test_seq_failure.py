@@ -28,9 +28,9 @@ def worker(tiny: Checkpoint) -> Worker:
 def seq(lease: int, broken: bool = False) -> SeqStep:
     if not broken:
         return SeqStep(lease, PROMPTS[lease], 0, PAGES[lease], SamplingSpec(temperature=0))
-    # a grammar-bound first sampling step whose history does not reach its position: it cannot be built
-    return SeqStep(lease, PROMPTS[lease], 0, PAGES[lease], SamplingSpec(temperature=0, grammar="k"),
-                   history=[1, 2], prompt_tokens=len(PROMPTS[lease]), grammar=GRAMMAR)
+    # a penalized first sampling step whose history does not reach its position: it cannot be built
+    return SeqStep(lease, PROMPTS[lease], 0, PAGES[lease], SamplingSpec(temperature=0, presence_penalty=1.0),
+                   history=[1, 2], prompt_tokens=len(PROMPTS[lease]))
 
 
 def run(w: Worker, seqs: list[SeqStep]) -> StepDone:
@@ -51,3 +51,23 @@ def test_a_seq_that_cannot_be_built_fails_alone(tiny: Checkpoint) -> None:
 def test_a_step_of_only_failing_seqs_still_answers(tiny: Checkpoint) -> None:
     reply = run(worker(tiny), [seq(B, broken=True)])
     assert reply.tokens == [None] and [f.seq_index for f in reply.failed] == [0]
+
+
+def test_a_seq_whose_grammar_is_compiling_is_left_out_and_the_others_run(tiny: Checkpoint) -> None:
+    """A worker with no compiled copy of a grammar (one in another process than the front end)
+    compiles it in the background and leaves that seq out of its steps meanwhile: the other seqs
+    get the tokens they get alone, and the same seq sent again runs once the grammar is ready."""
+    solo = {lease: run(worker(tiny), [seq(lease)]).tokens[0] for lease in (A, C)}
+    w = worker(tiny)
+    bound = SeqStep(B, PROMPTS[B], 0, PAGES[B], SamplingSpec(temperature=0, grammar="key-b"), history=[],
+                    prompt_tokens=len(PROMPTS[B]), grammar=GRAMMAR)
+    reply = run(w, [seq(A), bound, seq(C)])
+    assert reply.tokens == [solo[A], None, solo[C]] and reply.deferred == [1] and reply.failed == []
+    assert w.page_tables.extend(B, []) == PAGES[B]  # its pages were taken in all the same
+    for attempt in range(1200):  # each waits up to 50 ms for the compile: a minute at most
+        again = w.execute(RunStep(2 + attempt, [SeqStep(B, PROMPTS[B], 0, [], bound.sampling, history=[],
+                                                        prompt_tokens=len(PROMPTS[B]), grammar=GRAMMAR)]))
+        assert isinstance(again, StepDone)
+        if not again.deferred:
+            break
+    assert again.tokens[0] is not None and again.failed == []

@@ -71,6 +71,7 @@ class Budget:
     restarts: int = 1
     failed_steps: int = 0
     failed_seqs: int = 0  # one seq of a step fails alone (engine/worker.py: its request ends, the rest go on)
+    deferred_seqs: int = 0  # one sampling seq is left out untouched, to be sent again (its grammar compiles)
     ticks: int = 1
     transfer_faults: int = 1  # quiet or loud failures, in all
     flushes: int = 0  # POST /admin/flush_cache
@@ -139,6 +140,11 @@ class World:
                     for i in range(len(sim.message.seqs)):
                         out.append((f"seq {i} of the step on {name} fails alone",
                                     lambda name=name, i=i: self.reply(name, fail_seq=i)))
+                if self.budget.deferred_seqs:
+                    for i, seq in enumerate(sim.message.seqs):
+                        if seq.sampling is not None:  # only a sampling step waits for a grammar
+                            out.append((f"seq {i} of the step on {name} is deferred",
+                                        lambda name=name, i=i: self.reply(name, defer_seq=i)))
             if self.budget.restarts:
                 out.append((f"restart {name}", lambda name=name: self.restart(name)))
         for key, t in self.transfers.items():
@@ -180,7 +186,7 @@ class World:
         self.budget.aborts -= 1
         self.core.abort(request_id, self.now)
 
-    def reply(self, name: str, fail: bool = False, fail_seq: int | None = None) -> None:
+    def reply(self, name: str, fail: bool = False, fail_seq: int | None = None, defer_seq: int | None = None) -> None:
         sim = self.sims[name]
         msg, sim.message = sim.message, None
         assert msg is not None
@@ -188,7 +194,9 @@ class World:
             self.budget.failed_steps -= 1
         if fail_seq is not None:
             self.budget.failed_seqs -= 1
-        self.core.step_replied(name, sim.run(msg, fail, fail_seq), self.now)
+        if defer_seq is not None:
+            self.budget.deferred_seqs -= 1
+        self.core.step_replied(name, sim.run(msg, fail, fail_seq, defer_seq), self.now)
 
     def restart(self, name: str) -> None:
         self.budget.restarts -= 1

@@ -34,10 +34,12 @@ class SimWorker:
     def inc(self) -> str:
         return f"{self.name}-{self.incarnation}"
 
-    def run(self, msg: RunStep, fail: bool = False, fail_seq: int | None = None) -> WorkerReply:
+    def run(self, msg: RunStep, fail: bool = False, fail_seq: int | None = None,
+            defer_seq: int | None = None) -> WorkerReply:
         """Apply `msg` as engine/worker.py does; `fail`: its forward fails after the tag changes
         were applied (a worker that cannot apply them restarts instead); `fail_seq`: that seq
-        fails alone after its forward ran (it gets no token, the others carry on)."""
+        fails alone after its forward ran (it gets no token, the others carry on); `defer_seq`:
+        that seq is left out untouched, its page table extended (its grammar is compiling)."""
         if msg.incarnation and msg.incarnation != self.inc():
             return StepFailed(msg.step_id, "restarted", self.inc(), stale_incarnation=True)
         for page in msg.released:
@@ -68,7 +70,10 @@ class SimWorker:
         if fail:
             return StepFailed(msg.step_id, "injected", self.inc())
         tokens: list[int | None] = []
-        for seq in msg.seqs:
+        for i, seq in enumerate(msg.seqs):
+            if i == defer_seq:
+                tokens.append(None)
+                continue
             lease, table = seq.lease, self.page_tables[seq.lease]
             end = seq.context_tokens + len(seq.token_ids)
             if len(table) * self.page_size < end:
@@ -86,6 +91,8 @@ class SimWorker:
                                  f"that it did not write")
             self.write(lease, table, seq.context_tokens, end)
             tokens.append(TOKEN if seq.sampling is not None else None)
+        if defer_seq is not None:
+            return StepDone(msg.step_id, tokens, incarnation=self.inc(), deferred=[defer_seq])
         if fail_seq is None:
             return StepDone(msg.step_id, tokens, incarnation=self.inc())
         tokens[fail_seq] = None

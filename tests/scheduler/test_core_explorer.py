@@ -36,7 +36,8 @@ def runs(tiny: Checkpoint) -> dict[str, Setup]:
     (with a transfer fault on top: 31690 states, every one clean, but too slow for each run of the
     suite). The seq-failure runs fail any one seq of any step alone (a dead-end grammar, a seq the
     worker could not build): its request ends at that point, whatever state it is in, and the
-    other request carries on."""
+    other request carries on; and leave any one sampling seq out of its step untouched (its
+    grammar still compiling on the worker): it is sent again as it was."""
     ckpt = tiny.source
     return {
         "disaggregated-shared-prefix": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0,
@@ -55,9 +56,9 @@ def runs(tiny: Checkpoint) -> dict[str, Setup]:
                                                                 flushes=1), cache=True, prompts=SHARED_PROMPTS,
                                            samples=2),
         "disaggregated-seq-failure": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=0, ticks=0,
-                                                                failed_seqs=1), chunk=2),
+                                                                failed_seqs=1, deferred_seqs=1), chunk=2),
         "colocated-seq-failure": Setup(ckpt, False, Budget(restarts=0, transfer_faults=0, aborts=1, ticks=0,
-                                                           failed_seqs=1), chunk=2),
+                                                           failed_seqs=1, deferred_seqs=1), chunk=2),
         "colocated-two-samples": Setup(ckpt, False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=0,
                                                              failed_steps=1, flushes=1), cache=True,
                                        prompts=SHARED_PROMPTS, samples=2),

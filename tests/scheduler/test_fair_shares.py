@@ -149,3 +149,21 @@ async def test_a_tenant_under_its_share_gets_a_slot_as_soon_as_it_asks(tiny: Che
     assert sum(r.preemptions for r in floods if r is not None) >= 1
     await wait_idle(s)
     await serving.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_short_prompt_is_not_held_up_behind_another_tenants_long_prefills(
+        tiny: Checkpoint, task_group: anyio.abc.TaskGroup) -> None:
+    """Prefill chunks of 16 tokens: the flood's two 80-token prompts take five steps each; the
+    other tenant's 3-token prompt, submitted after them, gets its first token first (each group's
+    first prefill goes before any group's second, the shortest first among them)."""
+    serving = await start_serving(task_group, tiny, "colocated", config(max_running=8), num_pages=128)
+    s = serving.scheduler
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    handles = {f"flood{i}": s.submit([5 + i] + list(range(10, 89)), params, FLOOD) for i in range(2)}
+    handles["other"] = s.submit([9, 10, 11], params, OTHER)
+    order: list[str] = []
+    await first_tokens(handles, order)
+    assert order[0] == "other", order
+    await wait_idle(s)
+    await serving.aclose()
