@@ -82,7 +82,7 @@ class ServerConfig(Settings):
     max_response_entries: int = setting(1 << 18, "most tokens and logprob entries one request's response may "
                                                  "carry: samples x (top_logprobs + 1) x max_tokens, plus echoed "
                                                  "prompt logprobs; a request over it gets 400", above=0)
-    grammar_compile_timeout_s: float = setting(1.0, "seconds a request's JSON schema may take to compile (in a "
+    grammar_compile_timeout_s: float = setting(0.75, "seconds a request's JSON schema may take to compile (in a "
                                                     "process of its own, killed past it: the request gets 400)",
                                                above=0, at_most=60)
     api_keys: str | None = setting(None, "TOML file of tenants: their API keys (as SHA-256 digests) and limits, "
