@@ -219,6 +219,8 @@ class GrammarCompiler:
                 probe.start()
                 break
             except Exception:
+                if self._closed:  # shutting down meanwhile: nothing to report
+                    break
                 log.exception("starting a grammar probe failed; trying again in a second")
                 time.sleep(1.0)
         if self._closed:
