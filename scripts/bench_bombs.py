@@ -96,7 +96,8 @@ def main() -> int:
         proc.terminate()
         proc.wait(60)
     for name, values in times.items():
-        print(f"{name}: 400 after median {statistics.median(values):.3f} s, max {max(values):.3f} s ({len(values)})")
+        each = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{name}: 400 after median {statistics.median(values):.3f} s, max {max(values):.3f} s ({each})")
     print(f"longest gap between the other stream's chunks meanwhile: {gap:.3f} s")
     return 0
 
