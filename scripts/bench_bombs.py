@@ -16,7 +16,6 @@ import asyncio
 import copy
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import BOMBS, MODEL, free_port  # noqa: E402
+from local_server import MODEL, start, stop  # noqa: E402
+from soak_hostile import BOMBS  # noqa: E402
 
 NAMES = ["a{20000} in response_format", "a{20000} in 20 tools (tool_choice none)", "40 slow alternatives"]
 
@@ -75,26 +75,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--server-arg", action="append", default=[])
     args = parser.parse_args()
-    port, log = free_port(), Path(tempfile.mkdtemp()) / "server.log"
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("kvfence")), "serve", "--port", str(port),
-                             "--canary-interval", "3600", *args.server_arg], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start(["--canary-interval", "3600", *args.server_arg], Path(tempfile.mkdtemp()) / "server.log")
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited; see {log}")
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         time.sleep(5)  # the probes start in the background
         times, gap = asyncio.run(measure(url, args.repeat))
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc)
     for name, values in times.items():
         each = ", ".join(f"{v:.2f}" for v in values)
         print(f"{name}: 400 after median {statistics.median(values):.3f} s, max {max(values):.3f} s ({each})")

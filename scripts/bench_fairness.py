@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import itertools
 import json
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,15 +27,15 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import free_port, percentile  # noqa: E402
+from local_server import MODEL, percentile, start, stop, write_keys  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct"
 _unique = itertools.count()
 
 
 async def ttft(http: httpx.AsyncClient, key: str, max_tokens: int) -> float | None:
     body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": f"Request {next(_unique)} {secrets.token_hex(4)}: name a colour."}]}
+            "messages": [{"role": "user",
+                          "content": f"Request {next(_unique)} {secrets.token_hex(4)}: name a colour."}]}
     t0 = time.monotonic()
     async with http.stream("POST", "/v1/chat/completions", json=body,
                            headers={"authorization": f"Bearer {key}"}) as r:
@@ -81,33 +79,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of flood before the quiet probes")
     parser.add_argument("--server-arg", action="append", default=[])
     args = parser.parse_args()
-    keys = {name: f"bench-{secrets.token_hex(16)}" for name in ("flood", "quiet")}
     workdir = Path(tempfile.mkdtemp())
-    keys_file = workdir / "keys.toml"
-    keys_file.write_text("".join(f'[tenants.{n}]\nkey_sha256 = ["{hashlib.sha256(k.encode()).hexdigest()}"]\n\n'
-                                 for n, k in keys.items()))
-    port = free_port()
-    kvfence = Path(sys.executable).with_name("kvfence")
-    log = workdir / "server.log"
-    proc = subprocess.Popen([str(kvfence), "serve", "--port", str(port), "--api-keys", str(keys_file),
-                             "--canary-interval", "3600", *args.server_arg], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    keys = write_keys(workdir / "keys.toml", ["flood", "quiet"])
+    proc, url = start(["--api-keys", str(workdir / "keys.toml"), "--canary-interval", "3600", *args.server_arg],
+                      workdir / "server.log")
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited; see {log}")
-            time.sleep(0.5)
         alone, beside = asyncio.run(measure(url, keys, args))
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc)
     a50, a99, b50, b99 = (percentile(alone, 0.5), percentile(alone, 0.99), percentile(beside, 0.5),
                           percentile(beside, 0.99))
     print(f"quiet tenant, time to first token (s): alone p50 {a50:.3f} p99 {a99:.3f} ({len(alone)}); "

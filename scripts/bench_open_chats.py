@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,9 +24,8 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import free_port  # noqa: E402
+from local_server import MODEL, start, stop  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["a lighthouse", "a bakery", "the moon", "a river", "an old map", "a violin", "a winter garden", "a robot",
           "a train station", "a kite", "the ocean", "a library", "a volcano", "a fox", "a clock tower", "a desert"]
 
@@ -59,26 +57,12 @@ def main() -> int:
     parser.add_argument("--chats", type=int, default=16)
     parser.add_argument("--server-arg", action="append", default=[])
     args = parser.parse_args()
-    port, log = free_port(), Path(tempfile.mkdtemp()) / "server.log"
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("kvfence")), "serve", "--port", str(port),
-                             "--canary-interval", "3600", *args.server_arg], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start(["--canary-interval", "3600", *args.server_arg], Path(tempfile.mkdtemp()) / "server.log")
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited; see {log}")
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         results = asyncio.run(run(url, args.chats))
         metrics = httpx.get(url + "/metrics", timeout=10).text
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc)
     for k, (ending, tokens, seconds) in enumerate(results):
         print(f"chat {k:2d}: {ending}, {tokens} tokens, {seconds:.1f} s")
     preempted = re.search(r"^kvfence_preemptions_total (\S+)$", metrics, re.M)

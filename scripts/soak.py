@@ -46,12 +46,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import hashlib
 import json
-import os
 import random
 import re
-import secrets
 import socket
 import subprocess
 import sys
@@ -60,26 +57,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from local_server import MODEL, error_code, percentile, start, stop, write_keys
+from soak_hostile import BODY_TIMEOUT_S, auth_header, bomb, dead_end, fan_out, slow_body
 
-MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_FAULTS = "corrupt@0.02,truncate@0.01,drop@0.01,delay=0.3@0.03,duplicate@0.02,late_write@0.02,reorder@0.02"
 STALL_TIMEOUT_S = 2.0
 KINDS = {"chat": 35, "grammar": 8, "samples": 5, "near_limit": 2, "over_long": 6, "cancel": 10, "stalled": 2,
          "oversized": 3, "malformed": 13, "bomb": 5, "dead_end": 3, "fan_out": 4, "slow_body": 4}
 BAD_INPUT = ("over_long", "oversized", "malformed", "bomb", "dead_end", "fan_out", "slow_body")
-BODY_TIMEOUT_S = 3.0
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["word", "n"],
           "properties": {"word": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0}}}
-BOMBS = [
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {
-        "type": "string", "pattern": "a{20000}"}}}},
-    {"tools": [{"type": "function", "function": {"name": f"f{i}",
-                                                 "parameters": {"type": "string", "pattern": "a{20000}"}}}
-               for i in range(20)], "tool_choice": "none"},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {"anyOf": [  # ~15 s to
-        {"type": "string", "pattern": "([a-z]{200}){%d}" % (200 + i)} for i in range(40)]}}}},  # compile: the budget
-]
-DEAD_END = {"type": "json_schema", "json_schema": {"name": "d", "schema": {"type": "string", "pattern": "[^\\s\\S]"}}}
 
 
 @dataclass
@@ -108,13 +95,6 @@ class Soak:
         for other, canary in enumerate(self.canaries):
             if other != client and canary in text:
                 return canary
-        return None
-
-
-def error_code(response: httpx.Response) -> str | None:
-    try:
-        return response.json()["error"]["code"]
-    except (ValueError, KeyError, TypeError):
         return None
 
 
@@ -233,10 +213,6 @@ async def cancel(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: O
                     return
 
 
-def auth_header(soak: Soak) -> bytes:
-    return f"Authorization: Bearer {soak.key}\r\n".encode() if soak.key else b""
-
-
 async def stalled(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 2000, "ignore_eos": True,
                        "messages": [{"role": "user", "content": "Tell me a long story."}]}).encode()
@@ -329,52 +305,6 @@ async def samples(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: 
     judge_served(out)
 
 
-async def refused_as(http: httpx.AsyncClient, body: dict, out: Outcome, status: int, code: str) -> None:
-    r = await http.post("/v1/chat/completions", json=body)
-    out.status, out.code = r.status_code, error_code(r)
-    if (r.status_code, out.code) != (status, code) and not (out.status in (429, 503) and out.code == "overloaded"):
-        out.problem = f"expected {status} {code}, got {r.status_code} {out.code}"
-
-
-async def bomb(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
-    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **rng.choice(BOMBS)}
-    await refused_as(http, body, out, 400, "grammar_too_complex")
-
-
-async def dead_end(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
-    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Say something."}],
-            "response_format": DEAD_END}
-    r = await http.post("/v1/chat/completions", json=body)
-    out.status, out.code = r.status_code, error_code(r)
-    if out.code == "kv_transfer_failed":
-        out.faulted = True  # an injected fault ended it first
-    elif (r.status_code, out.code) != (400, "grammar_dead_end") and out.code != "overloaded":
-        out.problem = f"a dead-end grammar got {r.status_code} {out.code}"
-
-
-async def fan_out(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
-    body = {"model": MODEL, "n": 128, "logprobs": True, "top_logprobs": 20,
-            "messages": [{"role": "user", "content": "hi"}]}
-    await refused_as(http, body, out, 400, "response_too_large")
-
-
-async def slow_body(soak: Soak, http: httpx.AsyncClient, rng: random.Random, out: Outcome) -> None:
-    host, port = soak.url.removeprefix("http://").rsplit(":", 1)
-
-    def send_half() -> bytes:
-        with socket.create_connection((host, int(port)), timeout=BODY_TIMEOUT_S * 4) as s:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      + auth_header(soak) + b"Content-Length: 1000\r\n\r\n{\"model\": \"")  # and nothing more
-            return s.recv(4096)
-
-    reply = await asyncio.to_thread(send_half)
-    status = reply.split(b" ", 2)[1] if reply.startswith(b"HTTP/1.1 ") else b""
-    out.status = int(status) if status.isdigit() else None
-    out.code = "request_timeout" if b"request_timeout" in reply else None
-    if out.status != 408:
-        out.problem = f"a half-sent body got {reply[:40]!r} instead of 408"
-
-
 RUNNERS = {"chat": chat, "near_limit": near_limit, "over_long": over_long, "cancel": cancel, "stalled": stalled,
            "oversized": oversized, "malformed": malformed, "grammar": grammar, "samples": samples, "bomb": bomb,
            "dead_end": dead_end, "fan_out": fan_out, "slow_body": slow_body}
@@ -437,11 +367,6 @@ async def quiet_probe(soak: Soak, http: httpx.AsyncClient, key: str | None) -> f
                 if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
                     return time.monotonic() - t0
     return None
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 async def run(args: argparse.Namespace, url: str) -> int:
@@ -523,45 +448,15 @@ def report(soak: Soak, url: str, elapsed: float) -> int:
     return 0 if not count and not held and ready == 200 else 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def write_keys(args: argparse.Namespace, path: Path) -> None:
-    """Two tenants and an admin: their keys into `args`, their digests into the keys file."""
-    global ADMIN_KEY
-    args.flood_key, args.quiet_key, ADMIN_KEY = (f"soak-{secrets.token_hex(16)}" for _ in range(3))
-    digest = lambda key: hashlib.sha256(key.encode()).hexdigest()  # noqa: E731
-    path.write_text(f'[tenants.flood]\nkey_sha256 = ["{digest(args.flood_key)}"]\n\n'
-                    f'[tenants.quiet]\nkey_sha256 = ["{digest(args.quiet_key)}"]\n\n'
-                    f'[admin]\nkey_sha256 = ["{digest(ADMIN_KEY)}"]\n')
-
-
 def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    kvfence = Path(sys.executable).with_name("kvfence")
+    global ADMIN_KEY
     keys = log.with_name(log.name + ".keys.toml")
-    write_keys(args, keys)
-    cmd = [str(kvfence), "serve", "--port", str(port), "--kv-sanitizer", "--fault-inject", args.faults,
-           "--transfer-timeout", "3", "--stall-timeout", str(STALL_TIMEOUT_S), "--max-body-bytes",
-           str(args.max_body_bytes), "--canary-interval", "5", "--max-context", str(args.max_context),
-           "--body-timeout", str(BODY_TIMEOUT_S), "--api-keys", str(keys), *args.server_arg]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server was not ready in 300 s; see {log}")
+    made = write_keys(keys, ["flood", "quiet"], admin=True)
+    args.flood_key, args.quiet_key, ADMIN_KEY = made["flood"], made["quiet"], made["admin"]
+    return start(["--kv-sanitizer", "--fault-inject", args.faults, "--transfer-timeout", "3", "--stall-timeout",
+                  str(STALL_TIMEOUT_S), "--max-body-bytes", str(args.max_body_bytes), "--canary-interval", "5",
+                  "--max-context", str(args.max_context), "--body-timeout", str(BODY_TIMEOUT_S),
+                  "--api-keys", str(keys), *args.server_arg], log)
 
 
 def main() -> int:
@@ -589,11 +484,7 @@ def main() -> int:
     try:
         return asyncio.run(run(args, url))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 if __name__ == "__main__":
