@@ -19,6 +19,7 @@ from hypercorn.config import Config as HypercornConfig
 from kvfence.app.config import ServeConfig
 from kvfence.app.api_keys import ApiKeys
 from kvfence.app.edge import allowed_hosts
+from kvfence.app.gc_heap import startup_heap_frozen
 from kvfence.app.grammar_compiler import GrammarCompiler
 from kvfence.app.http_api import build_app
 from kvfence.app.pairing import pair_workers, role_record
@@ -184,6 +185,7 @@ async def serve_http(tg: anyio.abc.TaskGroup, config: ServeConfig, model_name: s
         await hypercorn_serve(app, hyper, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
         served.set()
 
-    tg.start_soon(run_http, name="http")
-    await served.wait()
+    with startup_heap_frozen():
+        tg.start_soon(run_http, name="http")
+        await served.wait()
     grammars.close()

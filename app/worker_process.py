@@ -15,6 +15,7 @@ import anyio
 
 from kvfence.app.config import LISTENING_TRANSPORTS, ServeConfig
 from kvfence.app.discovery import parse_discovery
+from kvfence.app.gc_heap import startup_heap_frozen
 from kvfence.app.membership import Registration, register_worker
 from kvfence.app.pairing import role_record
 from kvfence.app.server import model_identity
@@ -94,7 +95,7 @@ async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: st
                     advertised = advertise or f"{host}:{bound[1]}"
                     tg.start_soon(register_worker, *etcd, lambda: registration(server, advertised, transport.name),
                                   secret)
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                with startup_heap_frozen(), anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
                         log.info("received %s: draining the %s worker", signal.Signals(signum).name, role)
                         break

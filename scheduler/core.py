@@ -379,13 +379,28 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
     def _plan_step(self, w: WorkerBinding, now: float) -> None:
         """The next step of idle worker `w`: decode steps of the requests decoding on it (each
         first gets the page its next token lands in), then prefill chunks within the token
-        budget; sent when it runs something or carries tag changes (a grant a transfer waits for)."""
+        budget; sent when it runs something or carries tag changes (a grant a transfer waits for).
+
+        A transfer into `w` starts only once its pages' grant was answered, so when one waits for
+        a grant not yet sent, that grant goes first in a message of tag changes alone, answered
+        at once, and the decode step follows it: the new request's first token waits for its own
+        prefill, not also for a whole decode step of the requests already running (on one device
+        the two workers' steps run one after the other)."""
+        if w.decodes and self._grant_awaited(w):
+            self._send(w, [], [], [], now)
+            return
         decodes = self._grow(w, now) if w.decodes else []
         seqs = decode_steps(decodes, w.table)
         chunks = (prefill_chunks(self._prefill_order(w), self.config.chunk_tokens - len(seqs), w.table)
                   if w.prefills else [])
         if seqs or chunks or w.table.has_pending:
             self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now)
+
+    def _grant_awaited(self, w: WorkerBinding) -> bool:
+        """A request that will move its KV into `w`'s pool has pages there whose grant is unsent."""
+        return any(r.pair is not None and r.pair.decode is w and r.decode_lease != r.prefill_lease
+                   and w.table.grant_unsent(r.decode_lease)
+                   for state in (State.PREFILLING, State.TRANSFERRING) for r in self._running[state].values())
 
     def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
               seqs: list[SeqStep], now: float) -> None:
@@ -404,13 +419,19 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         first; then every fair-share group's first before any group's second (and so on), and
         among those the one with the least left to prefill, so a group's short prompt is never
         held up behind another group's long ones; a group's own requests keep the order they got
-        their pages in."""
+        their pages in.
+
+        While more than one group prefills, only each group's first (and priority ones) are
+        listed: a step's time is about its prefill tokens, so one group's burst of prompts never
+        lengthens the step another group's prompt waits for; the burst goes on in later steps."""
         reqs = [r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w]
         ahead: dict[str, int] = {}
         rank: dict[str, int] = {}
         for r in reqs:
             rank[r.request_id] = ahead.get(r.share, 0)
             ahead[r.share] = rank[r.request_id] + 1
+        if len(ahead) > 1:
+            reqs = [r for r in reqs if r.priority or rank[r.request_id] == 0]
         return sorted(reqs, key=lambda r: (not r.priority, rank[r.request_id], r.prefill_target - r.prefilled))
 
     # ---- lifecycle: the only places a state changes ----

@@ -184,10 +184,14 @@ class LeaseTable:
         """The worker answered message `number`: it is past it and every message before it."""
         self.applied = max(self.applied, number)
 
+    def grant_unsent(self, lease: int) -> bool:
+        """Pages granted to `lease` wait for the next message to the worker."""
+        return any(g == lease for g, _ in self._grants)
+
     def grant_applied(self, lease: int) -> bool:
         """Every page granted to `lease` so far carries its tag on the worker (and every release
         before those grants was applied): the message that carried its last grant was answered."""
-        if any(g == lease for g, _ in self._grants):
+        if self.grant_unsent(lease):
             return False
         number = self._grant_message.get(lease)
         return number is not None and number <= self.applied
