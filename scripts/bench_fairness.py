@@ -4,8 +4,8 @@
 Starts `kvfence serve` (the default model; `--server-arg` adds flags) with an API keys file of two
 tenants, "flood" and "quiet". First the quiet tenant sends `--probes` short streamed chats one
 after another, alone; then the flood tenant keeps `--flood` streamed chats of `--flood-tokens`
-tokens in flight (more than the server's running slots, so its requests queue; from a process of its own) while the quiet
-tenant sends the same probes again, one a second. Every prompt is unique (no prefix-cache hit on
+tokens in flight (more than the server's running slots, so its requests queue; from a process of
+its own) while the quiet tenant sends the same probes again, one a second. Every prompt is unique (no prefix-cache hit on
 either side). Prints the quiet tenant's p50 / p99 time to first token in both phases and their
 ratio.
 
