@@ -48,7 +48,7 @@ from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.protocol import RunStep, SeqStep, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
-from kvfence.scheduler.policy import decode_steps, prefill_chunks
+from kvfence.scheduler.policy import decode_steps, grant_goes_ahead, prefill_chunks, prefill_order
 from kvfence.scheduler.preemption import Preemption
 from kvfence.scheduler.prefix_cache import chain_root, reusable_blocks
 from kvfence.scheduler.reservation import Reservation
@@ -379,33 +379,18 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
     def _plan_step(self, w: WorkerBinding, now: float) -> None:
         """The next step of idle worker `w`: decode steps of the requests decoding on it (each
         first gets the page its next token lands in), then prefill chunks within the token
-        budget; sent when it runs something or carries tag changes (a grant a transfer waits for).
-
-        A transfer into `w` starts only once its pages' grant was answered, so when a request of
-        a group with nothing decoding waits for a grant not yet sent, that grant goes first in a
-        message of tag changes alone, answered at once, and the decode step follows it: that
-        group's first token waits for its own prefill, not also for a whole decode step of the
-        others (on one device the two workers' steps take turns, so the decode step then runs
-        after that prefill). Only for such a group: done for every new request, the decode steps
-        of a busy server would wait behind a prefill step at every admission (ITL p99 doubled at
-        16 streams)."""
-        if w.decodes and self._grant_awaited(w):
+        budget (in `prefill_order`); sent when it runs something or carries tag changes (a grant a
+        transfer waits for). Tag changes alone first when `grant_goes_ahead` (scheduler/policy.py)."""
+        if w.decodes and grant_goes_ahead(w, self._running):
             self._send(w, [], [], [], now)
             return
         decodes = self._grow(w, now) if w.decodes else []
         seqs = decode_steps(decodes, w.table)
-        chunks = (prefill_chunks(self._prefill_order(w), self.config.chunk_tokens - len(seqs), w.table)
+        prefilling = [r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w]
+        chunks = (prefill_chunks(prefill_order(prefilling), self.config.chunk_tokens - len(seqs), w.table)
                   if w.prefills else [])
         if seqs or chunks or w.table.has_pending:
             self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now)
-
-    def _grant_awaited(self, w: WorkerBinding) -> bool:
-        """A request of a group with nothing decoding will move its KV into `w`'s pool, and has
-        pages there whose grant is unsent."""
-        decoding = {r.share for r in self._running[State.DECODING].values()}
-        return any(r.pair is not None and r.pair.decode is w and r.decode_lease != r.prefill_lease
-                   and r.share not in decoding and w.table.grant_unsent(r.decode_lease)
-                   for state in (State.PREFILLING, State.TRANSFERRING) for r in self._running[state].values())
 
     def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
               seqs: list[SeqStep], now: float) -> None:
@@ -418,26 +403,6 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         message = RunStep(self._step_id, seqs, grants=pending.grants, released=pending.released,
                           landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation)
         self._actions.append(SendStep(w.name, message))
-
-    def _prefill_order(self, w: WorkerBinding) -> list[Request]:
-        """Requests prefilling on `w` in the order the chunk budget goes to them: priority ones
-        first; then every fair-share group's first before any group's second (and so on), and
-        among those the one with the least left to prefill, so a group's short prompt is never
-        held up behind another group's long ones; a group's own requests keep the order they got
-        their pages in.
-
-        While more than one group prefills, only each group's first (and priority ones) are
-        listed: a step's time is about its prefill tokens, so one group's burst of prompts never
-        lengthens the step another group's prompt waits for; the burst goes on in later steps."""
-        reqs = [r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w]
-        ahead: dict[str, int] = {}
-        rank: dict[str, int] = {}
-        for r in reqs:
-            rank[r.request_id] = ahead.get(r.share, 0)
-            ahead[r.share] = rank[r.request_id] + 1
-        if len(ahead) > 1:
-            reqs = [r for r in reqs if r.priority or rank[r.request_id] == 0]
-        return sorted(reqs, key=lambda r: (not r.priority, rank[r.request_id], r.prefill_target - r.prefilled))
 
     # ---- lifecycle: the only places a state changes ----
 

@@ -5,9 +5,12 @@ No I/O and no awaiting here; the scheduler dispatches what these return.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kvfence.engine.protocol import SamplingSpec, SeqStep
 from kvfence.scheduler.lease_table import LeaseTable
-from kvfence.scheduler.request import Request
+from kvfence.scheduler.request import Request, State
+from kvfence.scheduler.worker_binding import WorkerBinding
 
 
 def decode_steps(requests: list[Request], table: LeaseTable) -> list[SeqStep]:
@@ -67,6 +70,43 @@ def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTabl
                                  **_scoring(req, req.prefilled, n))))
         budget_tokens -= n
     return out
+
+
+def prefill_order(prefilling: list[Request]) -> list[Request]:
+    """`prefilling` (the requests prefilling on one worker, in the order they got their pages) in
+    the order the chunk budget goes to them: priority ones first; then every fair-share group's
+    first before any group's second (and so on), and among those the one with the least left to
+    prefill, so a group's short prompt is never held up behind another group's long ones; a
+    group's own requests keep their order.
+
+    While more than one group prefills, only each group's first (and priority ones) are listed: a
+    step's time is about its prefill tokens, so one group's burst of prompts never lengthens the
+    step another group's prompt waits for; the burst goes on in later steps."""
+    ahead: dict[str, int] = {}
+    rank: dict[str, int] = {}
+    for r in prefilling:
+        rank[r.request_id] = ahead.get(r.share, 0)
+        ahead[r.share] = rank[r.request_id] + 1
+    if len(ahead) > 1:
+        prefilling = [r for r in prefilling if r.priority or rank[r.request_id] == 0]
+    return sorted(prefilling, key=lambda r: (not r.priority, rank[r.request_id], r.prefill_target - r.prefilled))
+
+
+def grant_goes_ahead(w: WorkerBinding, running: Mapping[State, Mapping[str, Request]]) -> bool:
+    """Whether decode worker `w` gets a message of tag changes alone before its next decode step:
+    a request of a group with nothing decoding will move its KV into `w`'s pool and has pages
+    there whose grant is unsent (`running`: the running requests by state).
+
+    A transfer into `w` starts only once its pages' grant was answered, and that grant would
+    otherwise ride the next decode step of everyone already running: sent alone, it is answered at
+    once, and that group's first token waits for its own prefill only (on one device the two
+    workers' steps take turns, so the decode step then runs after that prefill). Only for such a
+    group: done for every new request, the decode steps of a busy server would wait behind a
+    prefill step at every admission (ITL p99 doubled at 16 streams, docs/benchmarks.md)."""
+    decoding = {r.share for r in running[State.DECODING].values()}
+    return any(r.pair is not None and r.pair.decode is w and r.decode_lease != r.prefill_lease
+               and r.share not in decoding and w.table.grant_unsent(r.decode_lease)
+               for state in (State.PREFILLING, State.TRANSFERRING) for r in running[state].values())
 
 
 def pages_short(req: Request, page_size_tokens: int) -> int:

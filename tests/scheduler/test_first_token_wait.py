@@ -9,8 +9,8 @@ the same request alone. Nothing is timed.
 
 The bound: the quiet request waits for the steps already in flight when it came, then for its
 own prefill step, which carries at most one request of any other group; never for a decode step
-of the flood (its pages' grant goes ahead of it, scheduler/core.py `_plan_step`) nor for the
-flood's burst of prompts (`_prefill_order`). So the flood's size does not change it.
+of the flood (its pages' grant goes ahead of it: `grant_goes_ahead`, scheduler/policy.py) nor for
+the flood's burst of prompts (`prefill_order`). So the flood's size does not change it.
 """
 
 from __future__ import annotations
