@@ -21,9 +21,11 @@ So a server keeps exactly one team per device:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -43,7 +45,13 @@ def confine_to_one_intra_op_thread() -> int:
 
 
 class ComputeThread:
-    """One long-lived thread that runs the torch work of every worker on one device, in order.
+    """One long-lived thread that runs the torch work of every worker on one device, one call at a
+    time: urgent calls first, then the others, each lane in the order submitted.
+
+    The urgent lane is for a step carrying a prompt whose first token someone waits for while other
+    workers' steps queue on the same device (RunStep.urgent, set by the scheduler): it runs next,
+    not after the step queued ahead of it. Each worker has at most one message in flight, so a
+    call never passes an earlier call of the same worker.
 
     `intra_op_threads`: the OpenMP team size of this thread (None: torch's default, i.e.
     OMP_NUM_THREADS or the number of cores)."""
@@ -52,29 +60,60 @@ class ComputeThread:
         if intra_op_threads is not None and intra_op_threads < 1:
             raise ValueError(f"intra-op threads must be >= 1, got {intra_op_threads}")
         self.name = name
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=name, initializer=self._set_up, initargs=(intra_op_threads,))
-        self.intra_op_threads: int = self.call(torch.get_num_threads)  # starts the thread
+        self._lanes: tuple[collections.deque[_Call], collections.deque[_Call]] = (collections.deque(),
+                                                                                  collections.deque())
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, args=(intra_op_threads,), name=name, daemon=True)
+        self._thread.start()
+        self.intra_op_threads: int = self.call(torch.get_num_threads)
 
-    @staticmethod
-    def _set_up(intra_op_threads: int | None) -> None:
+    def _serve(self, intra_op_threads: int | None) -> None:
         if intra_op_threads is not None:
             torch.set_num_threads(intra_op_threads)
         torch.get_num_threads()  # fixes this thread's team size before anything else can change it
+        while True:
+            with self._ready:
+                while not (self._lanes[0] or self._lanes[1] or self._closed):
+                    self._ready.wait()
+                if not (self._lanes[0] or self._lanes[1]):
+                    return  # closed and drained
+                fn, args, future = (self._lanes[0] or self._lanes[1]).popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the caller gets it; the thread goes on
+                    future.set_exception(e)
+
+    def _submit(self, fn: Callable[..., T], args: tuple[object, ...], urgent: bool) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._ready:
+            if self._closed:
+                raise RuntimeError(f"the compute thread {self.name} is closed")
+            self._lanes[0 if urgent else 1].append((fn, args, future))
+            self._ready.notify()
+        return future
 
     def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on the compute thread and wait (blocking: for start-up, never on the loop)."""
-        return self._executor.submit(fn, *args).result()
+        return self._submit(fn, args, False).result()
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn(*args)` on the compute thread without blocking the event loop.
+    async def run(self, fn: Callable[..., T], *args: object, urgent: bool = False) -> T:
+        """Run `fn(*args)` on the compute thread without blocking the event loop (`urgent`: ahead
+        of every call not urgent that waits for its turn).
 
         Not cancellable once submitted: a step owns its pages until it returns, so the caller
         waits for the result even when its scope is cancelled."""
-        future = self._executor.submit(fn, *args)
+        future = self._submit(fn, args, urgent)
         with anyio.CancelScope(shield=True):
             return await asyncio.wrap_future(future)
 
     def close(self) -> None:
         """Finish what was submitted and end the thread."""
-        self._executor.shutdown(wait=True)
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join()
+
+
+_Call = tuple[Callable[..., Any], tuple[object, ...], "concurrent.futures.Future[Any]"]

@@ -118,6 +118,9 @@ class RunStep(msgspec.Struct, frozen=True, tag="run_step"):
     # The worker incarnation this step was built for; a worker that is another incarnation refuses
     # the whole message before applying any of it. "" (not known yet): no check.
     incarnation: str = ""
+    # It carries a prompt whose first token someone waits for: on a device shared by several
+    # workers it runs before the steps queued ahead of it (engine/compute.py).
+    urgent: bool = False
 
 
 class OwnerMismatch(msgspec.Struct, frozen=True):
@@ -202,10 +205,13 @@ class WorkerChannel(Protocol):
     raises WorkerLost once that worker is gone.
 
     `name`: how the scheduler names the worker (unique among its workers: an in-process worker by
-    its role, a remote one by role and address); `role`: "prefill", "decode" or "colocated"."""
+    its role, a remote one by role and address); `role`: "prefill", "decode" or "colocated";
+    `device`: the compute queue its steps run on, shared by the workers that name the same one
+    ("": a queue of its own)."""
 
     name: str
     role: str
+    device: str
 
     async def call(self, request: WorkerRequest) -> WorkerReply: ...
 

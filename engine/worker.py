@@ -206,12 +206,15 @@ class LocalWorkerChannel:
     compute thread.
 
     `compute`: the thread of the worker's device; it runs one message at a time, in the order
-    `call` was entered, so a worker (and every worker sharing the device) runs one step at a time."""
+    `call` was entered (an urgent step ahead of the others waiting), so a worker (and every worker
+    sharing the device) runs one step at a time. `device`: that thread's name, which the scheduler
+    uses to let the workers sharing it take turns."""
 
     def __init__(self, worker: Worker, compute: ComputeThread) -> None:
         self.worker = worker
         self.compute = compute
         self.role = self.name = worker.role
+        self.device = compute.name
 
     def _serve(self, payload: bytes) -> bytes:
         return encode(self.worker.execute(decode_request(payload)))
@@ -221,5 +224,6 @@ class LocalWorkerChannel:
         await self.compute.run(self.worker.restart)
 
     async def call(self, request: WorkerRequest) -> WorkerReply:
-        reply = await self.compute.run(self._serve, encode(request))  # not cancellable mid-step
+        urgent = isinstance(request, RunStep) and request.urgent
+        reply = await self.compute.run(self._serve, encode(request), urgent=urgent)  # not cancellable mid-step
         return decode_reply(reply)

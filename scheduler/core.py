@@ -48,7 +48,8 @@ from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.protocol import RunStep, SeqStep, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
-from kvfence.scheduler.policy import decode_steps, grant_goes_ahead, prefill_chunks, prefill_order
+from kvfence.scheduler.policy import (RecentGroups, decode_steps, decoding_groups, grant_goes_ahead, prefill_chunks,
+                                      prefill_order, turn_order, waits_for_device, waits_for_first_token)
 from kvfence.scheduler.preemption import Preemption
 from kvfence.scheduler.prefix_cache import chain_root, reusable_blocks
 from kvfence.scheduler.reservation import Reservation
@@ -86,6 +87,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         self._step_id = 0
         self._transfer_keys = 0
         self._tenants = TenantLoads()
+        self._recent = RecentGroups()
         self._seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
         self.add_pair(prefill, decode, max_context_tokens)
         if config.unsafe_cache_across_tenants:
@@ -180,6 +182,8 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             self.metrics.rejected("queue_full")
             raise overloaded(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
         admitted: list[Request] = []
+        if not priority:  # the server's own checks contend with nobody
+            self._recent.arrived(tenant.share_key, now)
         for params in samples:
             self._arrivals += 1
             req = Request(id_hex(self.mint()), list(prompt), params, max_tokens,
@@ -355,9 +359,10 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             elif req.pending_retry:
                 self._retry(req, now)
         self._reserve_queued(now)
-        for w in sorted(self.workers, key=lambda o: not o.decodes):  # decode steps first
+        contended = self._recent.contended(now)
+        for w in turn_order(self.workers, contended, self._first_token_on):
             if w.in_flight is None:
-                self._plan_step(w, now)
+                self._plan_step(w, now, contended)
         for req in self._running[State.TRANSFERRING].values():
             assert req.pair is not None
             if not req.transfer and req.pair.decode.table.grant_applied(req.decode_lease):
@@ -376,32 +381,53 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
                              first_token=first * self.config.page_size_tokens, tenant=req.tenant,
                              sender=req.pair.prefill.name, receiver=req.pair.decode.name)
 
-    def _plan_step(self, w: WorkerBinding, now: float) -> None:
+    def _plan_step(self, w: WorkerBinding, now: float, contended: bool) -> None:
         """The next step of idle worker `w`: decode steps of the requests decoding on it (each
         first gets the page its next token lands in), then prefill chunks within the token
         budget (in `prefill_order`); sent when it runs something or carries tag changes (a grant a
-        transfer waits for). Tag changes alone first when `grant_goes_ahead` (scheduler/policy.py)."""
+        transfer waits for). Tag changes alone first when `grant_goes_ahead`; while `contended`,
+        nothing while it `waits_for_device`, and chunks of groups already decoding held back
+        (scheduler/policy.py RecentGroups)."""
         if w.decodes and grant_goes_ahead(w, self._running):
             self._send(w, [], [], [], now)
             return
-        decodes = self._grow(w, now) if w.decodes else []
+        if not self._first_token_on(w) and waits_for_device(w, self.workers, contended):
+            return
+        decodes = self._grow(w, now) if w.decodes else []  # may preempt (prefilling and decoding ones)
         seqs = decode_steps(decodes, w.table)
-        prefilling = [r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w]
-        chunks = (prefill_chunks(prefill_order(prefilling), self.config.chunk_tokens - len(seqs), w.table)
-                  if w.prefills else [])
+        decoding, prefilling = decoding_groups(self._running), self._prefilling_on(w) if w.prefills else []
+        chunks = prefill_chunks(prefill_order(prefilling), self.config.chunk_tokens - len(seqs), w.table,
+                                held_back=decoding if contended else frozenset(),
+                                held_back_tokens=self.config.held_back_tokens)
         if seqs or chunks or w.table.has_pending:
-            self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now)
+            urgent = any(waits_for_first_token(r, decoding) for r, _ in chunks)
+            self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now, urgent=urgent)
+
+    def _prefilling_on(self, w: WorkerBinding) -> list[Request]:
+        return [r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w]
+
+    def _first_token_on(self, w: WorkerBinding) -> bool:
+        """Whether a prompt waiting for its first token waits for a step of `w`."""
+        if not w.prefills:
+            return False
+        decoding = decoding_groups(self._running)
+        return any(waits_for_first_token(r, decoding) and not r.stepping for r in self._prefilling_on(w))
 
     def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
-              seqs: list[SeqStep], now: float) -> None:
+              seqs: list[SeqStep], now: float, *, urgent: bool = False) -> None:
+        """`urgent`: it may pass the steps queued on its device (RunStep.urgent); tag changes alone
+        always may (they take no time)."""
         pending = w.table.take_pending()
         self._step_id += 1
         w.in_flight = Step(pending.number, decodes, chunks, seqs)
         w.last_sent_s = now
+        if seqs:
+            w.last_step = self._step_id
         for req in w.in_flight.requests:
             req.stepping = True
         message = RunStep(self._step_id, seqs, grants=pending.grants, released=pending.released,
-                          landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation)
+                          landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation,
+                          urgent=urgent or not seqs)
         self._actions.append(SendStep(w.name, message))
 
     # ---- lifecycle: the only places a state changes ----

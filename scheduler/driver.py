@@ -49,8 +49,9 @@ class Scheduler:
         link). `max_context_tokens`: what the first pair holds, when less than the config's."""
         if config.disaggregated != (decode is not None and link is not None):
             raise ValueError("disaggregated mode needs a decode worker and a transfer link; colocated needs neither")
-        bound_prefill = WorkerBinding(prefill.name, prefill_pages, prefill.role)
-        bound_decode = WorkerBinding(decode.name, decode_pages, decode.role) if decode is not None else bound_prefill
+        bound_prefill = WorkerBinding(prefill.name, prefill_pages, prefill.role, prefill.device)
+        bound_decode = (WorkerBinding(decode.name, decode_pages, decode.role, decode.device) if decode is not None
+                        else bound_prefill)
         self.core = SchedulerCore(config, tokenizer, bound_prefill, bound_decode, metrics,
                                   max_context_tokens=max_context_tokens)
         self.prefill_channel = prefill  # the first pair's (the only one in one process)
@@ -87,7 +88,7 @@ class Scheduler:
         """Serve on one more pair (disaggregated): `link` moves KV from `prefill` to `decode`. A
         worker already serving (by name) keeps its binding; a new one is bound with its pool size."""
         known = {w.name: w for w in self.core.workers}
-        bound = [known.get(c.name) or WorkerBinding(c.name, pages, c.role)
+        bound = [known.get(c.name) or WorkerBinding(c.name, pages, c.role, c.device)
                  for c, pages in ((prefill, prefill_pages), (decode, decode_pages))]
         self.core.add_pair(*bound, max_context_tokens)
         self._channels[prefill.name], self._channels[decode.name] = prefill, decode

@@ -5,7 +5,7 @@ No I/O and no awaiting here; the scheduler dispatches what these return.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvfence.engine.protocol import SamplingSpec, SeqStep
 from kvfence.scheduler.lease_table import LeaseTable
@@ -48,20 +48,23 @@ def _scoring(req: Request, start: int, n: int) -> dict[str, object]:
     return {"score": score, "score_top": req.params.prompt_logprobs or 0}
 
 
-def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTable) -> list[tuple[Request, SeqStep]]:
-    """Chunks of the tokens each request still has to prefill, first come first served, within the budget.
+def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTable, *,
+                   held_back: frozenset[str] = frozenset(), held_back_tokens: int = 0) -> list[tuple[Request, SeqStep]]:
+    """Chunks of the tokens each request still has to prefill, in the order given, within the budget.
 
     A request prefills its prompt, or after a preemption its prompt plus what it generated. The
     chunk that completes it asks for a sample: the request's next output token. `table`: the
-    prefill pool's."""
+    prefill pool's. The requests of the groups in `held_back` (`RecentGroups`) take at most
+    `held_back_tokens` of the budget together."""
     out: list[tuple[Request, SeqStep]] = []
     for req in requests:
         if budget_tokens <= 0:
             break
         remaining = req.prefill_target - req.prefilled
-        if remaining <= 0:
+        held = req.share in held_back and not req.priority
+        if remaining <= 0 or (held and held_back_tokens <= 0):
             continue
-        n = min(remaining, budget_tokens)
+        n = min(remaining, budget_tokens, held_back_tokens if held else budget_tokens)
         last = req.prefilled + n == req.prefill_target
         out.append((req, SeqStep(req.prefill_lease, req.tokens[req.prefilled: req.prefilled + n],
                                  req.prefilled, table.new_pages(req.prefill_lease, req.prefill_pages),
@@ -69,6 +72,8 @@ def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTabl
                                  **(_counting(req, req.prefill_lease, req.prefilled) if last else {}),
                                  **_scoring(req, req.prefilled, n))))
         budget_tokens -= n
+        if held:
+            held_back_tokens -= n
     return out
 
 
@@ -92,6 +97,65 @@ def prefill_order(prefilling: list[Request]) -> list[Request]:
     return sorted(prefilling, key=lambda r: (not r.priority, rank[r.request_id], r.prefill_target - r.prefilled))
 
 
+class RecentGroups:
+    """The fair-share groups that sent a request lately: while two or more did, the server is
+    contended, and a step sized and queued for one group's throughput is a wait for another's
+    first token.
+
+    A step cannot be interrupted, and on a CPU both workers' steps take turns on the same cores
+    (engine/compute.py): a request that comes while a step of another group's prompts runs waits
+    for all of it (a full chunk of 128 tokens: 0.12-0.19 s on the development machine, twice a
+    short prompt's whole time to first token alone), and for any step queued behind it. So while
+    contended, the groups that already have something decoding prefill at most
+    `contended_chunk_tokens` a step (`prefill_chunks`' held_back) and every step waits for the
+    device to be free (`waits_for_device`), while a prompt whose first token someone waits for goes
+    at once, ahead of the queue (RunStep.urgent). Uncontended, one group's steps keep the whole
+    chunk and the queue."""
+
+    WINDOW_S = 10.0  # how long a group counts as active after its last request came
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def arrived(self, share: str, now: float) -> None:
+        self._last[share] = now
+
+    def contended(self, now: float) -> bool:
+        """Whether two or more groups sent a request in the last WINDOW_S (forgets older ones)."""
+        if len(self._last) > 1:
+            self._last = {s: t for s, t in self._last.items() if now - t <= self.WINDOW_S}
+        return len(self._last) > 1
+
+
+def decoding_groups(running: Mapping[State, Mapping[str, Request]]) -> frozenset[str]:
+    """The groups with a request decoding: their first tokens came. A request of any other group
+    (or a priority one) waits for its first token (`waits_for_first_token`)."""
+    return frozenset(r.share for r in running[State.DECODING].values())
+
+
+def waits_for_first_token(req: Request, decoding: frozenset[str]) -> bool:
+    return req.priority or req.share not in decoding
+
+
+def turn_order(workers: list[WorkerBinding], contended: bool, first_token_on: Callable[[WorkerBinding], bool]
+               ) -> list[WorkerBinding]:
+    """The order the idle workers plan their next step in (`first_token_on`: whether a worker has
+    a prompt waiting for its first token). Uncontended, decode workers first: their step is queued
+    first on a device they share. Contended, the workers with a prompt waiting for its first token
+    first, then the one whose last step is the oldest (the device goes round, `waits_for_device`)."""
+    if not contended:
+        return sorted(workers, key=lambda o: not o.decodes)
+    return sorted(workers, key=lambda o: (not first_token_on(o), o.last_step))
+
+
+def waits_for_device(w: WorkerBinding, workers: list[WorkerBinding], contended: bool) -> bool:
+    """Whether worker `w`'s next step, unless urgent, waits: while contended, until no other worker
+    on its device has a step in flight. So a prompt that comes finds at most one step ahead of it,
+    the one the device runs, and its own step (urgent) passes any queued (RunStep.urgent). Its
+    cost: the device is idle while the scheduler hears of one step and sends the next."""
+    return contended and any(o.stepping for o in workers if w.shares_device_with(o))
+
+
 def grant_goes_ahead(w: WorkerBinding, running: Mapping[State, Mapping[str, Request]]) -> bool:
     """Whether decode worker `w` gets a message of tag changes alone before its next decode step:
     a request of a group with nothing decoding will move its KV into `w`'s pool and has pages
@@ -103,7 +167,7 @@ def grant_goes_ahead(w: WorkerBinding, running: Mapping[State, Mapping[str, Requ
     workers' steps take turns, so the decode step then runs after that prefill). Only for such a
     group: done for every new request, the decode steps of a busy server would wait behind a
     prefill step at every admission (ITL p99 doubled at 16 streams, docs/benchmarks.md)."""
-    decoding = {r.share for r in running[State.DECODING].values()}
+    decoding = decoding_groups(running)
     return any(r.pair is not None and r.pair.decode is w and r.decode_lease != r.prefill_lease
                and r.share not in decoding and w.table.grant_unsent(r.decode_lease)
                for state in (State.PREFILLING, State.TRANSFERRING) for r in running[state].values())

@@ -52,6 +52,7 @@ class RemoteWorker:
 
     def __init__(self, address: str, channel: Channel, timeout_s: float = DEFAULT_WORKER_TIMEOUT_S) -> None:
         self.address = address
+        self.device = ""  # its own process and device: no other worker's steps queue with its
         self.channel = channel
         self.timeout_s = timeout_s
         self.description: Description | None = None

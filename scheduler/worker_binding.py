@@ -39,10 +39,13 @@ ROLES = ("prefill", "decode", "colocated")
 
 
 class WorkerBinding:
-    def __init__(self, name: str, num_pages: int, role: str | None = None) -> None:
+    def __init__(self, name: str, num_pages: int, role: str | None = None, device: str = "") -> None:
         """`name`: how the core, the driver, logs and metrics name it (unique among the workers);
-        `role`: one of ROLES, by default its name (the in-process workers are named by role)."""
+        `role`: one of ROLES, by default its name (the in-process workers are named by role);
+        `device`: the compute queue its steps run on, shared with the workers that name the same
+        one ("": one of its own; WorkerChannel.device)."""
         self.name = name
+        self.device = device
         self.role = role or name
         if self.role not in ROLES:
             raise ValueError(f"worker {name!r}: role must be one of {ROLES}, got {self.role!r}")
@@ -51,6 +54,15 @@ class WorkerBinding:
         self.in_flight: Step | None = None
         self.draining = False  # it said it shuts down: nothing new starts on it
         self.last_sent_s = float("-inf")  # when the last message was built (the caller's clock)
+        self.last_step = 0  # the scheduler's number of its last message with seqs (0: none yet)
+
+    def shares_device_with(self, other: WorkerBinding) -> bool:
+        return other is not self and bool(self.device) and other.device == self.device
+
+    @property
+    def stepping(self) -> bool:
+        """A message with seqs in flight (a step that takes its device's time)."""
+        return self.in_flight is not None and bool(self.in_flight.seqs)
 
     @property
     def ledger(self):  # type: ignore[no-untyped-def]

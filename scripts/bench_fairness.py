@@ -5,9 +5,9 @@ Starts `kvfence serve` (the default model; `--server-arg` adds flags) with an AP
 tenants, "flood" and "quiet". First the quiet tenant sends `--probes` short streamed chats one
 after another, alone; then the flood tenant keeps `--flood` streamed chats of `--flood-tokens`
 tokens in flight (more than the server's running slots, so its requests queue; from a process of
-its own) while the quiet tenant sends the same probes again, one a second. Every prompt is unique (no prefix-cache hit on
-either side). Prints the quiet tenant's p50 / p99 time to first token in both phases and their
-ratio.
+its own; `--flood-words` makes their prompts long) while the quiet tenant sends the same probes
+again, one a second. Every prompt is unique (no prefix-cache hit on either side). Prints the quiet
+tenant's p50 / p99 time to first token in both phases and their ratio.
 
     .venv/bin/python scripts/bench_fairness.py [--probes 20] [--flood 24] [--server-arg=--max-running=8]
 """
@@ -34,10 +34,13 @@ from local_server import MODEL, percentile, start, stop, write_keys  # noqa: E40
 _unique = itertools.count()
 
 
-async def ttft(http: httpx.AsyncClient, key: str, max_tokens: int) -> float | None:
+async def ttft(http: httpx.AsyncClient, key: str, max_tokens: int, words: int = 0) -> float | None:
+    """One streamed chat with a unique prompt (`words` more words of filler before its question);
+    its time to the first chunk with content."""
+    filler = " ".join(secrets.choice(("red", "blue", "tree", "stone", "river", "cloud")) for _ in range(words))
     body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user",
-                          "content": f"Request {next(_unique)} {secrets.token_hex(4)}: name a colour."}]}
+                          "content": f"Request {next(_unique)} {secrets.token_hex(4)}: {filler} name a colour."}]}
     t0 = time.monotonic()
     async with http.stream("POST", "/v1/chat/completions", json=body,
                            headers={"authorization": f"Bearer {key}"}) as r:
@@ -53,7 +56,7 @@ async def flood(url: str, key: str, args: argparse.Namespace, stop: multiprocess
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         async def flooder() -> None:
             while not stop.is_set():
-                await ttft(http, key, args.flood_tokens)
+                await ttft(http, key, args.flood_tokens, args.flood_words)
 
         await asyncio.gather(*(flooder() for _ in range(args.flood)))
 
@@ -90,6 +93,7 @@ def main() -> int:
     parser.add_argument("--probes", type=int, default=20)
     parser.add_argument("--flood", type=int, default=24, help="flood requests kept in flight")
     parser.add_argument("--flood-tokens", type=int, default=64)
+    parser.add_argument("--flood-words", type=int, default=0, help="filler words in each flood prompt (long prompts)")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of flood before the quiet probes")
     parser.add_argument("--server-arg", action="append", default=[])
     args = parser.parse_args()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -104,3 +105,35 @@ def test_only_the_compute_thread_keeps_a_team() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["True", "1", "2", "1"]
+
+
+@pytest.mark.anyio
+async def test_an_urgent_call_runs_before_the_calls_waiting_ahead_of_it(compute: ComputeThread) -> None:
+    """A call running is never interrupted; after it, the urgent calls in the order submitted, then
+    the others in theirs."""
+    release = threading.Event()
+    order: list[str] = []
+
+    def job(name: str) -> None:
+        if name == "running":
+            release.wait(5)
+        order.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(compute.run, job, "running")
+        await anyio.sleep(0.05)  # it has started
+        for name, urgent in (("a", False), ("b", False), ("u1", True), ("c", False), ("u2", True)):
+            tg.start_soon(functools.partial(compute.run, job, name, urgent=urgent))
+            await anyio.sleep(0.01)  # submitted in this order
+        release.set()
+    assert order == ["running", "u1", "u2", "a", "b", "c"]
+
+
+def test_close_finishes_what_was_submitted() -> None:
+    thread = ComputeThread("test-compute-close", intra_op_threads=1)
+    done: list[int] = []
+    futures = [thread._submit(done.append, (i,), i % 2 == 0) for i in range(4)]
+    thread.close()
+    assert all(f.done() for f in futures) and sorted(done) == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="closed"):
+        thread.call(lambda: 1)

@@ -92,18 +92,19 @@ class World:
     """The core and its surroundings; `events()` lists what may happen next."""
 
     def __init__(self, tokenizer: Tokenizer, config: SchedulerConfig, pages: int, prompts: list[list[int]],
-                 params: SamplingParams, budget: Budget, decodes: int = 1, samples: int = 1) -> None:
+                 params: SamplingParams, budget: Budget, decodes: int = 1, samples: int = 1, device: str = "") -> None:
         """`decodes`: decode workers, each paired with the one prefill worker (disaggregated);
         `samples` > 1: the first submit admits that many samples of the first prompt at once
-        (`submit_samples`, OpenAI's `n`), standing for that many of `prompts`."""
+        (`submit_samples`, OpenAI's `n`), standing for that many of `prompts`; `device`: the
+        compute queue every worker names (WorkerBinding.device; "": each its own)."""
         ids = itertools.count(1)
         self.config = config
-        self.prefill = WorkerBinding("prefill" if config.disaggregated else "colocated", pages)
-        self.decode = WorkerBinding("decode", pages) if config.disaggregated else self.prefill
+        self.prefill = WorkerBinding("prefill" if config.disaggregated else "colocated", pages, device=device)
+        self.decode = WorkerBinding("decode", pages, device=device) if config.disaggregated else self.prefill
         self.core = SchedulerCore(config, tokenizer, self.prefill, self.decode, SchedulerMetrics(),
                                   mint=lambda: next(ids) << 64 | 0xABC)
         for i in range(2, decodes + 1):
-            self.core.add_pair(self.prefill, WorkerBinding(f"decode-{i}", pages, "decode"))
+            self.core.add_pair(self.prefill, WorkerBinding(f"decode-{i}", pages, "decode", device))
         self.bindings = {w.name: w for w in self.core.workers}  # the lost ones too
         self.sims = {w.name: SimWorker(w.name, config.page_size_tokens) for w in self.core.workers}
         self.receivers = {w.name: ReceiverState(pages, 1, "none") for w in self.core.workers if w.role == "decode"}

@@ -15,6 +15,7 @@ the flood's burst of prompts (`prefill_order`). So the flood's size does not cha
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import pytest
@@ -25,6 +26,8 @@ from kvfence.engine.protocol import RunStep
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.actions import Action, SendStep
 from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.policy import RecentGroups
+from kvfence.scheduler.request import State
 from kvfence.scheduler.tenants import Tenant
 
 CHUNK, RUNNING = 8, 8
@@ -34,22 +37,41 @@ SHORT = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
 
 class OneComputeThread:
-    """Drives a World: the steps sent run one at a time in the order sent; a transfer lands as
+    """Drives a World whose workers share one device: the steps sent run one at a time, urgent
+    ones (RunStep.urgent) first, each lane in the order sent, and the device takes its next step
+    as soon as one ends, before the scheduler hears of it (engine/compute.py); a transfer lands as
     soon as it starts. `rows` counts the work of every step that ran."""
 
     def __init__(self, world: World) -> None:
         self.world = world
         self.fifo: deque[tuple[str, RunStep]] = deque()
+        self.current: tuple[str, RunStep] | None = None  # the step the device runs
         self.rows = 0
         self.steps: list[tuple[str, RunStep]] = []
+        self.sent: list[tuple[str, RunStep, list[RunStep]]] = []  # each step sent, with the steps queued then
         take = world.core.take_actions
 
         def take_in_order() -> list[Action]:
             actions = take()
-            self.fifo.extend((a.worker, a.message) for a in actions if isinstance(a, SendStep))
+            for a in actions:
+                if isinstance(a, SendStep):
+                    self.sent.append((a.worker, a.message, [m for _, m in self.queued]))
+                    self.fifo.append((a.worker, a.message))
+            self._pick()
             return actions
 
         world.core.take_actions = take_in_order  # type: ignore[method-assign]  # notes the order steps are sent in
+
+    @property
+    def queued(self) -> list[tuple[str, RunStep]]:
+        """The step running, then those waiting."""
+        return ([self.current] if self.current else []) + list(self.fifo)
+
+    def _pick(self) -> None:
+        if self.current is None and self.fifo:
+            i = next((k for k, (_, m) in enumerate(self.fifo) if m.urgent), 0)
+            self.current = self.fifo[i]
+            del self.fifo[i]
 
     def settle(self) -> None:
         """Carry out the core's actions (as the explorer does) and land every transfer they start."""
@@ -61,9 +83,11 @@ class OneComputeThread:
             w.carry_out()
 
     def run_one(self) -> None:
-        name, msg = self.fifo.popleft()
+        assert self.current is not None
+        (name, msg), self.current = self.current, None
         self.rows += sum(len(s.token_ids) for s in msg.seqs)
         self.steps.append((name, msg))
+        self._pick()  # the device goes on before the reply is read
         self.world.reply(name)
         self.settle()
 
@@ -71,25 +95,28 @@ class OneComputeThread:
         return any(e.delta.token_ids for e in self.world.deltas.get(request_id, ()))
 
 
-def world(tiny: Checkpoint, chunk: int) -> World:
+def world(tiny: Checkpoint, chunk: int, contended: int | None = None) -> World:
     config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
-                             chunk_tokens=chunk, disaggregated=True, queue_timeout_s=3600, heartbeat_s=3600)
+                             chunk_tokens=chunk, contended_chunk_tokens=contended, disaggregated=True,
+                             queue_timeout_s=3600, heartbeat_s=3600)
     return World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
-                                                                 transfer_faults=0))
+                                                                 transfer_faults=0), device="cpu")
 
 
 def quiet_wait(tiny: Checkpoint, flood: int, chunk: int = CHUNK, after_steps: int = 40
                ) -> tuple[int, int, list[tuple[str, RunStep]]]:
     """(rows the quiet request's first token waited for, rows in flight when it came, the steps
-    it waited for), beside `flood` flood requests (0: alone) that ran `after_steps` steps first."""
+    it waited for after those in flight), beside `flood` flood requests (0: alone) that ran
+    `after_steps` steps first."""
     w = world(tiny, chunk)
     drive = OneComputeThread(w)
     floods = [w.core.submit([5 + i % 50, 6, 7, 8, 9, 10], LONG, 0.0, tenant=FLOOD) for i in range(flood)]
     drive.settle()
     for _ in range(after_steps):  # the flood runs, its queue waiting
-        if drive.fifo:
+        if drive.current:
             drive.run_one()
-    in_flight = sum(len(s.token_ids) for _, m in drive.fifo for s in m.seqs)
+    in_flight = sum(len(s.token_ids) for _, m in drive.queued for s in m.seqs)
+    queued = len(drive.queued)
     quiet = w.core.submit([60, 61, 62, 63, 64, 65], SHORT, 0.0, tenant=QUIET)
     drive.settle()
     before, first = drive.rows, len(drive.steps)
@@ -97,7 +124,7 @@ def quiet_wait(tiny: Checkpoint, flood: int, chunk: int = CHUNK, after_steps: in
         drive.run_one()
     if after_steps >= 40:
         assert all(r.state.terminal or r.num_generated for r in floods[:RUNNING])  # the flood was decoding
-    return drive.rows - before, in_flight, drive.steps[first:]
+    return drive.rows - before, in_flight, drive.steps[first + queued:]
 
 
 @pytest.mark.parametrize("flood", [3 * RUNNING, 6 * RUNNING])
@@ -106,7 +133,7 @@ def test_a_first_token_waits_for_the_work_in_flight_and_its_own_prefill_only(tin
     beside, in_flight, steps = quiet_wait(tiny, flood)
     assert alone == 6  # its own prompt, nothing else
     assert beside <= in_flight + CHUNK, (beside, in_flight, [(n, len(m.seqs)) for n, m in steps])
-    for name, msg in steps[1:]:  # after the step it found running, the decode worker ran no decode step before it
+    for name, msg in steps:  # after the steps it found in flight, the decode worker ran no decode step before it
         if name == "decode":
             assert not msg.seqs, "the quiet request waited behind a decode step of the flood"
 
@@ -117,3 +144,104 @@ def test_its_prefill_step_carries_one_request_of_the_other_group_at_most(tiny: C
     _, _, steps = quiet_wait(tiny, 3 * RUNNING, chunk=32, after_steps=1)
     own = [m for n, m in steps if n == "prefill" and any(s.token_ids[:1] == [60] for s in m.seqs)]
     assert own and len(own[-1].seqs) <= 2, [len(s.token_ids) for s in own[-1].seqs]
+
+
+def _flood_prefill_tokens(msg: RunStep, quiet_prompt: list[int]) -> int:
+    return sum(len(s.token_ids) for s in msg.seqs if not set(s.token_ids) <= set(quiet_prompt))
+
+
+def test_while_two_groups_are_active_a_group_already_decoding_prefills_short_steps(tiny: Checkpoint) -> None:
+    """Chunks of 32 tokens, 8 while contended; flood prompts of 20 tokens. The flood alone fills
+    its steps up to the chunk. Once the quiet tenant has sent a request (within RecentGroups'
+    window), the flood, which has requests decoding, prefills at most 8 tokens a step, so the next
+    quiet request finds at most that much of it in flight, and the quiet prompt (waiting for its
+    first token) goes whole in its step. Past the window, the flood gets the whole chunk again."""
+    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
+                             chunk_tokens=32, contended_chunk_tokens=8, disaggregated=True, queue_timeout_s=3600,
+                             heartbeat_s=3600)
+    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
+                                                           transfer_faults=0), device="cpu")
+    drive = OneComputeThread(w)
+    for i in range(6 * RUNNING):
+        w.core.submit([5 + i % 50] + [6 + i % 7] * 19, LONG, w.now, tenant=FLOOD)
+    drive.settle()
+
+    def flood_steps(count: int, quiet_prompt: list[int]) -> list[int]:
+        start = len(drive.steps)
+        for _ in range(count):
+            drive.run_one()
+        return [_flood_prefill_tokens(m, quiet_prompt) for n, m in drive.steps[start:] if n == "prefill"]
+
+    quiet_prompt = list(range(60, 80))
+    assert max(flood_steps(30, quiet_prompt)) > 8  # alone: the whole chunk
+    w.now = 1.0
+    quiet = w.core.submit(quiet_prompt, SHORT, w.now, tenant=QUIET)
+    drive.settle()
+    start = len(drive.steps)
+    while not drive.first_token(quiet.request_id):
+        drive.run_one()
+    own = [m for n, m in drive.steps[start:] if n == "prefill" and any(set(s.token_ids) <= set(quiet_prompt)
+                                                                        for s in m.seqs)]
+    assert [len(s.token_ids) for s in own[0].seqs if set(s.token_ids) <= set(quiet_prompt)] == [20]
+    contended = flood_steps(30, quiet_prompt)
+    assert contended and max(contended) <= 8, contended
+    w.now = 1.0 + RecentGroups.WINDOW_S + 1
+    assert max(flood_steps(30, quiet_prompt)) > 8  # the quiet tenant went quiet: the whole chunk again
+
+
+@pytest.mark.parametrize("after_steps", [40, 41, 42, 43, 57, 64, 71])
+def test_while_contended_a_first_token_waits_for_the_step_running_and_its_own_prefill(
+        tiny: Checkpoint, after_steps: int) -> None:
+    """The quiet tenant sent a request before (so the server is contended) while a flood of 24
+    runs: no step waits on the device behind the one it runs (`waits_for_device`), and the quiet
+    tenant's next request's first token waits for that step, then its own prefill, which goes
+    ahead of any step queued since (RunStep.urgent) and carries at most the held-back 2 tokens of
+    the flood. Several moments of the flood's run, so the step running is a decode step in some
+    and a prefill step in others."""
+    w = world(tiny, CHUNK, contended=2)
+    drive = OneComputeThread(w)
+    for i in range(3 * RUNNING):
+        w.core.submit([5 + i % 50, 6, 7, 8, 9, 10], LONG, 0.0, tenant=FLOOD)
+    first = w.core.submit([70, 71, 72, 73, 74, 75], SHORT, 0.0, tenant=QUIET)
+    drive.settle()
+    for _ in range(after_steps):
+        drive.run_one()
+    assert first.state.terminal and w.core.num_running() == RUNNING
+    stepping = [m for _, m in drive.queued if m.seqs]
+    assert len(stepping) <= 1, "two steps queued on the device"
+    running = sum(len(s.token_ids) for m in stepping for s in m.seqs)
+    quiet = w.core.submit([60, 61, 62, 63, 64, 65], SHORT, 0.0, tenant=QUIET)
+    drive.settle()
+    before = drive.rows
+    while not drive.first_token(quiet.request_id):
+        drive.run_one()
+    assert drive.rows - before <= running + 6 + 2, (drive.rows - before, running)
+
+
+def test_a_prefill_worker_waiting_for_its_turn_is_never_starved(tiny: Checkpoint) -> None:
+    """One prefill and two decode workers on one device, contended the whole run (a quiet
+    request every few steps beside a flood of 48): every request ends with its tokens, and a
+    prefill step of the flood alone is never sent while another step is queued on the device."""
+    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
+                             chunk_tokens=CHUNK, disaggregated=True, queue_timeout_s=3600, heartbeat_s=3600)
+    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
+                                                           transfer_faults=0), decodes=2, device="cpu")
+    drive = OneComputeThread(w)
+    reqs = [w.core.submit([5 + i % 50, 6, 7, 8, 9, 10], dataclasses.replace(LONG, max_tokens=10 + i % 17), 0.0,
+                          tenant=FLOOD) for i in range(6 * RUNNING)]
+    drive.settle()
+    steps = 0
+    while drive.current is not None:
+        if steps % 25 == 0 and steps < 1500:
+            reqs.append(w.core.submit([60 + steps % 30, 61, 62], SHORT, 0.0, tenant=QUIET))
+            drive.settle()
+        drive.run_one()
+        steps += 1
+        assert steps < 5000, "the run never ends"
+    assert all(r.state is State.FINISHED and r.num_generated == r.params.max_tokens for r in reqs)
+    assert sum(r.tenant == "quiet" for r in reqs) >= 10
+    held = [(m, ahead) for name, m, ahead in drive.sent if name == "prefill" and m.seqs and not m.urgent]
+    assert held, "the flood never prefilled"
+    for m, ahead in held:
+        assert not any(a.seqs for a in ahead), f"step {m.step_id} of the flood's prompts queued behind another step"
+    assert w.core.pages_in_use() == {name: 0 for name in w.core.pages_in_use()}
