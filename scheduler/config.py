@@ -38,6 +38,10 @@ class SchedulerSettings(Settings):
         None, "prefill tokens per step of a fair-share group already decoding while other groups are active too "
               f"(default: {CONTENDED_CHUNK_TOKENS_BY_DEVICE['cpu']} when prefill runs on a CPU, the whole chunk on a "
               "GPU)", above=0)
+    contention_window_s: float = setting(
+        10.0, "seconds a fair-share group counts as active after its last request; while two or more are, a prompt "
+              "waiting for its first token goes ahead and steps are kept short for it, at some cost in throughput "
+              "(0: never)", at_least=0)
     queue_timeout_s: float = setting(60.0, "seconds a request may wait for KV pages before it gets 503", above=0)
     transfer_timeout_s: float = setting(30.0, "seconds a KV transfer may take before it fails (its pages are "
                                               "quarantined)", above=0)

@@ -87,7 +87,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         self._step_id = 0
         self._transfer_keys = 0
         self._tenants = TenantLoads()
-        self._recent = RecentGroups()
+        self._recent = RecentGroups(config.contention_window_s)
         self._seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
         self.add_pair(prefill, decode, max_context_tokens)
         if config.unsafe_cache_across_tenants:
@@ -396,9 +396,10 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         decodes = self._grow(w, now) if w.decodes else []  # may preempt (prefilling and decoding ones)
         seqs = decode_steps(decodes, w.table)
         decoding, prefilling = decoding_groups(self._running), self._prefilling_on(w) if w.prefills else []
+        first_tokens = any(waits_for_first_token(r, decoding) for r in prefilling)  # such a step carries them alone
         chunks = prefill_chunks(prefill_order(prefilling), self.config.chunk_tokens - len(seqs), w.table,
                                 held_back=decoding if contended else frozenset(),
-                                held_back_tokens=self.config.held_back_tokens)
+                                held_back_tokens=0 if first_tokens else self.config.held_back_tokens)
         if seqs or chunks or w.table.has_pending:
             urgent = any(waits_for_first_token(r, decoding) for r, _ in chunks)
             self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now, urgent=urgent)

@@ -110,20 +110,21 @@ class RecentGroups:
     `contended_chunk_tokens` a step (`prefill_chunks`' held_back) and every step waits for the
     device to be free (`waits_for_device`), while a prompt whose first token someone waits for goes
     at once, ahead of the queue (RunStep.urgent). Uncontended, one group's steps keep the whole
-    chunk and the queue."""
+    chunk and the queue (`--contention-window 0`: always)."""
 
-    WINDOW_S = 10.0  # how long a group counts as active after its last request came
-
-    def __init__(self) -> None:
+    def __init__(self, window_s: float) -> None:
+        """`window_s`: how long a group counts as active after its last request came (0: never)."""
+        self.window_s = window_s
         self._last: dict[str, float] = {}
 
     def arrived(self, share: str, now: float) -> None:
-        self._last[share] = now
+        if self.window_s > 0:
+            self._last[share] = now
 
     def contended(self, now: float) -> bool:
-        """Whether two or more groups sent a request in the last WINDOW_S (forgets older ones)."""
+        """Whether two or more groups sent a request in the last `window_s` (forgets older ones)."""
         if len(self._last) > 1:
-            self._last = {s: t for s, t in self._last.items() if now - t <= self.WINDOW_S}
+            self._last = {s: t for s, t in self._last.items() if now - t <= self.window_s}
         return len(self._last) > 1
 
 

@@ -140,23 +140,23 @@ class Preemption:
             self._preempt(victim, now)
         self._reserve_queued(now)
 
-    def _preempt(self, req: Request, now: float) -> None:
+    def _preempt(self, req: Request, now: float, why: str = "the decode pool is out of pages") -> None:
         """Take a running request's pages back and put it at the front of the queue, to be
         recomputed; or end it, when it is being ended anyway, was preempted too often, or its
-        tokens no longer fit one prefill."""
+        tokens no longer fit one prefill. `why`: the reason, for the log."""
         if req.pending_end is not None:
             self._end(req, req.pending_end, now)
             return
         assert req.pair is not None
         if req.preemptions >= self.config.max_preemptions or any(
                 n > w.ledger.num_pages for w, n in self._needs(req.pair, len(req.tokens)).items()):
-            log.warning("%s: the decode pool is out of pages and it cannot be preempted again "
-                        "(%d preemptions, %d tokens): it ends with 503", req.who, req.preemptions, len(req.tokens))
-            self._end(req, RequestError(503, "overloaded", "the server ran out of KV pages for this request; "
-                                        "retry shortly", error_type="service_unavailable", retry_after_s=1), now)
+            log.warning("%s: %s and it cannot be preempted again (%d preemptions, %d tokens): it ends with 503",
+                        req.who, why, req.preemptions, len(req.tokens))
+            self._end(req, RequestError(503, "overloaded", "the server is too busy to finish this request; retry "
+                                        "shortly", error_type="service_unavailable", retry_after_s=1), now)
             return
-        log.info("%s preempted after %d generated tokens (preemption %d): the decode pool is out of pages",
-                 req.who, req.num_generated, req.preemptions + 1)
+        log.info("%s preempted after %d generated tokens (preemption %d): %s",
+                 req.who, req.num_generated, req.preemptions + 1, why)
         self.metrics.preempted()
         self._release_leases(req)
         self._requeue(req, now)

@@ -69,7 +69,10 @@ def flood_process(url: str, key: str, args: argparse.Namespace, stop: multiproce
 
 async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> tuple[list[float], list[float]]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        for _ in range(3):  # warm up
+        # Warm up: the first steps of each batch shape after start are several times slower, and
+        # three short requests left some of them to the alone phase's probes.
+        await asyncio.gather(*(ttft(http, keys["quiet"], 32) for _ in range(8)))
+        for _ in range(8):
             await ttft(http, keys["quiet"], 8)
         alone = [t for t in [await ttft(http, keys["quiet"], 8) for _ in range(args.probes)] if t is not None]
         spawn = multiprocessing.get_context("spawn")

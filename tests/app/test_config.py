@@ -78,6 +78,20 @@ def test_prefill_chunk_default_follows_the_prefill_device() -> None:
     assert load_config({}, {"KVFENCE_CHUNK_TOKENS": "256"}, None).scheduler.chunk_tokens_for("cpu") == 256
 
 
+def test_the_contended_chunk_follows_the_prefill_device_and_never_exceeds_the_chunk() -> None:
+    def bound(settings: SchedulerSettings, device: str) -> int:
+        return settings.bind(page_size_tokens=16, max_context_tokens=1024, disaggregated=True,
+                             prefill_device_type=device).held_back_tokens
+
+    assert bound(SchedulerSettings(), "cpu") == 32
+    assert bound(SchedulerSettings(), "cuda") == 512  # a whole chunk takes milliseconds there
+    assert bound(SchedulerSettings(contended_chunk_tokens=16), "cuda") == 16
+    assert bound(SchedulerSettings(chunk_tokens=24), "cpu") == 24
+    assert load_config({"contended_chunk_tokens": 8}, {}, None).scheduler.contended_chunk_tokens == 8
+    with pytest.raises(ValueError, match="contended-chunk-tokens"):
+        load_config({"contended_chunk_tokens": 0}, {}, None)
+
+
 def test_transport_endpoint_options() -> None:
     # The defaults are what the transports' constructors default to: loopback, ephemeral ports.
     assert ServeConfig().transport.endpoint_options("prefill") == {"host": "127.0.0.1", "port": 0}
