@@ -48,8 +48,8 @@ from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.protocol import RunStep, SeqStep, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
-from kvfence.scheduler.policy import (RecentGroups, decode_steps, decoding_groups, grant_goes_ahead, prefill_chunks,
-                                      prefill_order, turn_order, waits_for_device, waits_for_first_token)
+from kvfence.scheduler.policy import (RecentGroups, contended_chunks, decode_steps, first_token_on, grant_goes_ahead,
+                                      prefilling_on, turn_order, waits_for_device)
 from kvfence.scheduler.preemption import Preemption
 from kvfence.scheduler.prefix_cache import chain_root, reusable_blocks
 from kvfence.scheduler.reservation import Reservation
@@ -360,7 +360,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
                 self._retry(req, now)
         self._reserve_queued(now)
         contended = self._recent.contended(now)
-        for w in turn_order(self.workers, contended, self._first_token_on):
+        for w in turn_order(self.workers, contended, lambda o: first_token_on(o, self._running)):
             if w.in_flight is None:
                 self._plan_step(w, now, contended)
         for req in self._running[State.TRANSFERRING].values():
@@ -384,35 +384,20 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
     def _plan_step(self, w: WorkerBinding, now: float, contended: bool) -> None:
         """The next step of idle worker `w`: decode steps of the requests decoding on it (each
         first gets the page its next token lands in), then prefill chunks within the token
-        budget (in `prefill_order`); sent when it runs something or carries tag changes (a grant a
-        transfer waits for). Tag changes alone first when `grant_goes_ahead`; while `contended`,
-        nothing while it `waits_for_device`, and chunks of groups already decoding held back
-        (scheduler/policy.py RecentGroups)."""
+        budget (`contended_chunks`); sent when it runs something or carries tag changes. Tag changes
+        alone first when `grant_goes_ahead`; nothing while it `waits_for_device` (scheduler/policy.py)."""
         if w.decodes and grant_goes_ahead(w, self._running):
             self._send(w, [], [], [], now)
             return
-        if not self._first_token_on(w) and waits_for_device(w, self.workers, contended):
+        if not first_token_on(w, self._running) and waits_for_device(w, self.workers, contended):
             return
         decodes = self._grow(w, now) if w.decodes else []  # may preempt (prefilling and decoding ones)
         seqs = decode_steps(decodes, w.table)
-        decoding, prefilling = decoding_groups(self._running), self._prefilling_on(w) if w.prefills else []
-        first_tokens = any(waits_for_first_token(r, decoding) for r in prefilling)  # such a step carries them alone
-        chunks = prefill_chunks(prefill_order(prefilling), self.config.chunk_tokens - len(seqs), w.table,
-                                held_back=decoding if contended else frozenset(),
-                                held_back_tokens=0 if first_tokens else self.config.held_back_tokens)
+        chunks, urgent = contended_chunks(prefilling_on(w, self._running) if w.prefills else [], self._running,
+                                          self.config.chunk_tokens - len(seqs), w.table, contended,
+                                          self.config.held_back_tokens)
         if seqs or chunks or w.table.has_pending:
-            urgent = any(waits_for_first_token(r, decoding) for r, _ in chunks)
             self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now, urgent=urgent)
-
-    def _prefilling_on(self, w: WorkerBinding) -> list[Request]:
-        return [r for r in self._running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w]
-
-    def _first_token_on(self, w: WorkerBinding) -> bool:
-        """Whether a prompt waiting for its first token waits for a step of `w`."""
-        if not w.prefills:
-            return False
-        decoding = decoding_groups(self._running)
-        return any(waits_for_first_token(r, decoding) and not r.stepping for r in self._prefilling_on(w))
 
     def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
               seqs: list[SeqStep], now: float, *, urgent: bool = False) -> None:

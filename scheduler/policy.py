@@ -138,6 +138,30 @@ def waits_for_first_token(req: Request, decoding: frozenset[str]) -> bool:
     return req.priority or req.share not in decoding
 
 
+def prefilling_on(w: WorkerBinding, running: Mapping[State, Mapping[str, Request]]) -> list[Request]:
+    return [r for r in running[State.PREFILLING].values() if r.pair is not None and r.pair.prefill is w]
+
+
+def first_token_on(w: WorkerBinding, running: Mapping[State, Mapping[str, Request]]) -> bool:
+    """Whether a prompt waiting for its first token waits for a step of `w`."""
+    decoding = decoding_groups(running)
+    return w.prefills and any(waits_for_first_token(r, decoding) and not r.stepping for r in prefilling_on(w, running))
+
+
+def contended_chunks(prefilling: list[Request], running: Mapping[State, Mapping[str, Request]], budget_tokens: int,
+                     table: LeaseTable, contended: bool, held_back_tokens: int
+                     ) -> tuple[list[tuple[Request, SeqStep]], bool]:
+    """The prefill chunks of a step (`prefill_chunks` in `prefill_order`) and whether it is urgent:
+    while `contended`, the groups already decoding take at most `held_back_tokens`, and none when
+    a prompt waits for its first token, which the step then carries alone, urgent."""
+    decoding = decoding_groups(running)
+    first_tokens = any(waits_for_first_token(r, decoding) for r in prefilling)
+    chunks = prefill_chunks(prefill_order(prefilling), budget_tokens, table,
+                            held_back=decoding if contended else frozenset(),
+                            held_back_tokens=0 if first_tokens else held_back_tokens)
+    return chunks, any(waits_for_first_token(r, decoding) for r, _ in chunks)
+
+
 def turn_order(workers: list[WorkerBinding], contended: bool, first_token_on: Callable[[WorkerBinding], bool]
                ) -> list[WorkerBinding]:
     """The order the idle workers plan their next step in (`first_token_on`: whether a worker has

@@ -95,8 +95,7 @@ class World:
                  params: SamplingParams, budget: Budget, decodes: int = 1, samples: int = 1, device: str = "") -> None:
         """`decodes`: decode workers, each paired with the one prefill worker (disaggregated);
         `samples` > 1: the first submit admits that many samples of the first prompt at once
-        (`submit_samples`, OpenAI's `n`), standing for that many of `prompts`; `device`: the
-        compute queue every worker names (WorkerBinding.device; "": each its own)."""
+        (`submit_samples`, OpenAI's `n`), standing for that many of `prompts`; `device`: every worker's."""
         ids = itertools.count(1)
         self.config = config
         self.prefill = WorkerBinding("prefill" if config.disaggregated else "colocated", pages, device=device)
