@@ -12,7 +12,7 @@ from kvfence.app.environment import kvfence_home
 
 
 # The settings `generate` shares with `serve` (their dests); the rest of its flags are per prompt.
-_GENERATE_SETTINGS = ("model", "dtype", "page_size_tokens", "attention_backend", "chunk_tokens")
+_GENERATE_SETTINGS = ("model", "dtype", "weights", "page_size_tokens", "attention_backend", "chunk_tokens")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -118,7 +118,7 @@ def _generate(args: argparse.Namespace) -> int:
     dtype = pick_dtype(config.workers.dtype, device)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    checkpoint = load_model_spec(config.model, kvfence_home())
+    checkpoint = load_model_spec(config.model, kvfence_home(), keep_blocks=config.workers.weights == "native")
     tok = checkpoint.tokenizer
     if args.chat:
         text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}],
@@ -185,7 +185,8 @@ def _serve(args: argparse.Namespace) -> int:
         parse_discovery(config.discovery)
     # the workers hold the weights
     checkpoint = load_checkpoint(path, weights=config.discovery is None,
-                                 cache_dir=checkpoint_cache(kvfence_home()))
+                                 cache_dir=checkpoint_cache(kvfence_home()),
+                                 keep_blocks=config.workers.weights == "native")
     name = config.served_model_name or served_name(config.model)
     return anyio.run(serve, config, checkpoint, name, intra_op_threads)
 
@@ -219,7 +220,8 @@ def _worker(args: argparse.Namespace) -> int:
     model = _read_model_config(path)  # an undersized pool fails before any weight is read
     resolve_context(config, model, plan_pools(config, model, pick_dtype(config.workers.dtype,
                                                                         pick_device(args.device)).itemsize))
-    checkpoint = load_checkpoint(path, cache_dir=checkpoint_cache(kvfence_home()))
+    checkpoint = load_checkpoint(path, cache_dir=checkpoint_cache(kvfence_home()),
+                                 keep_blocks=config.workers.weights == "native")
     name = config.served_model_name or served_name(config.model)
     return anyio.run(run_worker, config, checkpoint, name, args.role, args.device, args.control, args.advertise,
                      intra_op_threads)

@@ -96,6 +96,10 @@ class WorkersConfig(Settings):
     """Where and how the prefill and decode workers compute."""
 
     dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    weights: str = setting("native", "a GGUF file's quantized matrices: native (multiplied in their own block "
+                                     "types, Q8_0 Q4_0 Q4_1 Q5_0 Q4_K Q6_K, by the CPU kernels in float32, with "
+                                     "the bits of float32; dequantized at load anywhere else) or float32 "
+                                     "(dequantized at load)", choices=("native", "float32"))
     prefill_device: str = setting("auto", "device of the prefill worker (the colocated one): auto, cpu or cuda:N")
     decode_device: str = setting("auto", "device of the decode worker: auto, cpu or cuda:N")
     attention_backend: str = setting("auto", "paged attention and KV store: auto (triton on CUDA when installed; "

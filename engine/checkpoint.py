@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from kvfence.engine.gguf_tensor import GGUFTensor
 from kvfence.engine.model_config import ModelConfig
 from kvfence.engine.tokenizer import Tokenizer
 
@@ -23,7 +24,9 @@ class CheckpointError(ValueError):
 @dataclasses.dataclass
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # canonical name -> float tensor, [out, in] for matrices
+    # canonical name -> float tensor ([out, in] for matrices), or a matrix kept in its GGUF block
+    # type (load_checkpoint's `keep_blocks`)
+    tensors: dict[str, torch.Tensor | GGUFTensor]
     tokenizer: Tokenizer
     source: str  # the path it was loaded from
     # Per-frequency RoPE divisors stored in the file (Llama 3.1 GGUF `rope_freqs`), if any.
@@ -78,7 +81,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor | GGUFTensor], source: str) -> None:
     """Raise CheckpointError naming the first missing or misshapen tensor."""
     for name, shape in expected_shapes(config).items():
         t = tensors.get(name)
@@ -88,16 +91,18 @@ def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source:
             raise CheckpointError(f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
 
 
-def load_checkpoint(path: str | Path, weights: bool = True, cache_dir: Path | None = None) -> Checkpoint:
+def load_checkpoint(path: str | Path, weights: bool = True, cache_dir: Path | None = None,
+                    keep_blocks: bool = False) -> Checkpoint:
     """Load a GGUF file or a Hugging Face model directory. Without `weights`: its config and
     tokenizer only (`tensors` is empty: what a front end whose workers run elsewhere needs).
     `cache_dir`: where a GGUF file's start-up cache lives (engine/gguf_cache.py; a directory of
-    safetensors loads fast already and is read as it is)."""
+    safetensors loads fast already and is read as it is). `keep_blocks` (`--weights native`): a
+    GGUF file's quantized matrices stay in their block types (engine/gguf_tensor.py)."""
     from kvfence.engine import gguf_loader, hf_loader
 
     p = Path(path)
     if p.is_dir():
         return hf_loader.load_hf_dir(p, weights)
     if p.is_file():
-        return gguf_loader.load_gguf(p, weights, cache_dir)
+        return gguf_loader.load_gguf(p, weights, cache_dir, keep_blocks)
     raise CheckpointError(f"{p}: no such file or directory")

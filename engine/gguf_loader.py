@@ -1,4 +1,5 @@
-"""Load a Llama-family GGUF file: config, dequantized weights, tokenizer.
+"""Load a Llama-family GGUF file: config, weights (dequantized, or with `keep_blocks` the matrices
+of the block types the CPU GEMM multiplies as they ship, as engine/gguf_tensor.GGUFTensor), tokenizer.
 
 GGUF (llama.cpp's format) stores the Q and K projections of `llama`-architecture models permuted
 for interleaved-pair RoPE. This loader un-permutes them per head so the model can use the
@@ -18,6 +19,7 @@ import torch
 
 from kvfence.engine.checkpoint import Checkpoint, CheckpointError, check_tensors
 from kvfence.engine.gguf_cache import GGUFCache
+from kvfence.engine.gguf_tensor import GGUFTensor
 from kvfence.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvfence.engine.tokenizer import tokenizer_from_gguf_fields
 
@@ -169,10 +171,7 @@ def config_from_fields(meta: GGUFMetadata, path: Path) -> ModelConfig:
 def _dequantize(t: Any, path: Path) -> torch.Tensor:
     import gguf
 
-    kind = t.tensor_type.name
-    if kind not in SUPPORTED_TENSOR_TYPES:
-        raise CheckpointError(f"{path}: tensor {t.name} has unsupported type {kind}; "
-                              f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+    kind = _kind(t, path)
     try:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
     except Exception as e:
@@ -184,40 +183,72 @@ def _dequantize(t: Any, path: Path) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def _dequantized_tensors(reader: Any, config: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor the model uses, dequantized to float32 under its canonical name (Q/K
-    un-permuted), plus `rope_freqs.weight` when the file has it."""
+def _kind(t: Any, path: Path) -> str:
+    kind = t.tensor_type.name
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        raise CheckpointError(f"{path}: tensor {t.name} has unsupported type {kind}; "
+                              f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+    return kind
+
+
+def _blocks(t: Any, path: Path) -> GGUFTensor | None:
+    """A matrix of a block type the CPU GEMM keeps (kernels/cpu_quant.py) as its rows of blocks
+    (copied out of the file's mapping); None for anything else."""
+    from kvfence.kernels.cpu_quant import BLOCKS
+
+    kind = _kind(t, path)
+    if kind not in BLOCKS or len(t.shape) != 2:
+        return None
+    cols, rows = (int(d) for d in t.shape)  # GGUF lists dims innermost first
+    per_block, block_bytes = BLOCKS[kind]
+    if cols % per_block or int(t.n_bytes) != rows * cols // per_block * block_bytes:
+        raise CheckpointError(f"{path}: tensor {t.name} ({kind}) has {int(t.n_bytes)} bytes for {rows} x {cols}")
+    return GGUFTensor(kind, np.array(t.data, dtype=np.uint8).reshape(rows, -1), (rows, cols))
+
+
+def _tensors(reader: Any, config: ModelConfig, path: Path,
+                         keep_blocks: bool = False) -> dict[str, torch.Tensor | GGUFTensor]:
+    """Every tensor the model uses under its canonical name (Q/K un-permuted), plus
+    `rope_freqs.weight` when the file has it: dequantized to float32, or with `keep_blocks` the
+    matrices of kept block types as GGUFTensor."""
     size = path.stat().st_size
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | GGUFTensor] = {}
     for t in reader.tensors:
         if int(t.data_offset) + int(t.n_bytes) > size:
             raise CheckpointError(f"{path}: truncated, tensor {t.name} ends past the end of the file")
         name = ROPE_FREQS if t.name == ROPE_FREQS else canonical_name(t.name)
         if name is None:
             continue
-        w = _dequantize(t, path)
+        kept = _blocks(t, path) if keep_blocks else None
+        w: torch.Tensor | GGUFTensor = kept if kept is not None else _dequantize(t, path)
         if config.architecture in _PERMUTED_QK_ARCHS:
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                w = unpermute_qk(w, config.num_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                w = unpermute_qk(w, config.num_kv_heads)
+            heads = (config.num_heads if name.endswith(("q_proj.weight", "q_proj.bias"))
+                     else config.num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else 0)
+            if heads:
+                w = w.with_rows(lambda rows: unpermute_qk(rows, heads)) if isinstance(w, GGUFTensor) \
+                    else unpermute_qk(w, heads)
         tensors[name] = w
     return tensors
 
 
-def load_gguf(path: Path, weights: bool = True, cache_dir: Path | None = None) -> Checkpoint:
+def load_gguf(path: Path, weights: bool = True, cache_dir: Path | None = None,
+              keep_blocks: bool = False) -> Checkpoint:
     """Load `path` (without `weights`: its config and tokenizer only); raise CheckpointError (or
     UnsupportedModelError) with the file named. With `cache_dir`, what an earlier load of the same
     file (same path, size and modification time) left there is read instead of the file
-    (engine/gguf_cache.py): start-up in seconds, the same checkpoint."""
+    (engine/gguf_cache.py): start-up in seconds, the same checkpoint. `keep_blocks`: matrices of
+    the block types kernels/cpu_quant.py keeps stay as they ship (GGUFTensor; read straight from
+    the file, nothing cached)."""
     cache = GGUFCache(cache_dir, path) if cache_dir is not None else None
     meta, reader = _metadata(path, cache)
     config = config_from_fields(meta, path)
-    tensors: dict[str, torch.Tensor] = {}
-    if weights:
+    tensors: dict[str, torch.Tensor | GGUFTensor] = {}
+    if weights and keep_blocks:
+        tensors = _tensors(reader if reader is not None else _open(path), config, path, keep_blocks)
+    elif weights:
         cached = cache.tensors() if cache is not None else None
         if cached is None:
-            cached = _dequantized_tensors(reader if reader is not None else _open(path), config, path)
+            cached = _tensors(reader if reader is not None else _open(path), config, path)
             if cache is not None:
                 cache.store_tensors(cached)
         tensors = dict(cached)

@@ -31,6 +31,16 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
 class Linear:
     """y = x @ weight.T + bias, for x: [T, in] -> [T, out]."""
 
+    @classmethod
+    def of_parts(cls, parts: list[cpu_gemm.Part], bias: torch.Tensor | None = None) -> Linear:
+        """The rows of `parts` (float32 CPU tensors or GGUF block tensors) on the CPU GEMM, block
+        types kept as they ship (kernels/cpu_gemm.py); only where the CPU kernels are available."""
+        self = cls.__new__(cls)
+        self.packed = cpu_gemm.PackedWeight(parts, bias)
+        self.out_features, self.in_features = self.packed.n, self.packed.k
+        self.bias, self.onednn, self.weight = bias, False, None
+        return self
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, cpu_gemm_ok: bool = True) -> None:
         """`cpu_gemm_ok`: False keeps a float32 CPU weight on oneDNN even where the CPU kernels run."""
         self.out_features, self.in_features = weight.shape  # weight: [out, in]

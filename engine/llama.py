@@ -15,11 +15,13 @@ import torch.nn.functional as F
 from kvfence.engine.attention import AttentionBatch
 from kvfence.engine.attention_backend import select_attention_backend
 from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.gguf_tensor import GGUFTensor
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.linear import Linear
 from kvfence.engine.model_config import ModelConfig
 from kvfence.engine.rope import Rope
-from kvfence.kernels import cpu_elementwise, cpu_layer
+from kvfence.kernels import cpu_elementwise, cpu_gemm, cpu_layer
+from kvfence.kernels import cpu_kernels as cpu_kernels_library
 
 
 @dataclasses.dataclass
@@ -37,7 +39,10 @@ class LlamaModel:
                  attention_backend: str = "auto", cpu_kernels: bool = True) -> None:
         """`attention_backend`: auto | torch | cpu | triton (engine/attention_backend.py).
         `cpu_kernels`: False runs torch's paths (oneDNN linears, torch attention under auto, torch
-        norms) even where kernels/cpu_kernels.py runs: what benchmarks compare against."""
+        norms) even where kernels/cpu_kernels.py runs: what benchmarks compare against.
+        Matrices the checkpoint kept in their GGUF block types (GGUFTensor) are multiplied as
+        they are by the CPU GEMM where it runs float32 (the embedding and LM head included);
+        anywhere else they are dequantized here, to what the float32 loader gives."""
         self.config: ModelConfig = checkpoint.config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -45,16 +50,34 @@ class LlamaModel:
             attention_backend = "torch"
         self.attention = select_attention_backend(attention_backend, self.device)
         t = checkpoint.tensors
+        blocks_ok = (cpu_kernels and self.device.type == "cpu" and dtype == torch.float32
+                     and cpu_kernels_library.available())
 
         def w(name: str) -> torch.Tensor:
-            return t[name].to(device=self.device, dtype=dtype).contiguous()
+            value = t[name]
+            value = value.dequantize() if isinstance(value, GGUFTensor) else value
+            return value.to(device=self.device, dtype=dtype).contiguous()
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        def kept(*names: str) -> bool:
+            return blocks_ok and any(cpu_gemm.kept_as_shipped(t[name]) for name in names)  # type: ignore[arg-type]
+
+        def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:
+            if kept(*names):
+                return Linear.of_parts([t[name] for name in names], bias)  # type: ignore[misc]
+            weight = torch.cat([w(name) for name in names]) if len(names) > 1 else w(names[0])
             return Linear(weight, bias, cpu_gemm_ok=cpu_kernels)
 
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        embed = "model.embed_tokens.weight"  # [vocab, hidden]
+        self.embed_rows: cpu_gemm.PackedWeight | None = None  # the embedding kept as it ships, else None
+        if kept(embed):
+            head = linear(embed)
+            self.embed_rows, self.embed = head.packed, torch.empty(0)
+            self.lm_head = head if self.config.tie_word_embeddings else linear("lm_head.weight")
+        else:
+            self.embed = w(embed)
+            self.lm_head = (Linear(self.embed, None, cpu_gemm_ok=cpu_kernels) if self.config.tie_word_embeddings
+                            else linear("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
-        self.lm_head = linear(self.embed if self.config.tie_word_embeddings else w("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(self.config.num_layers):
             p = f"model.layers.{i}."
@@ -64,12 +87,11 @@ class LlamaModel:
                 bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                           bias),
-                o=linear(w(a + "o_proj.weight")),
+                qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", bias=bias),
+                o=linear(a + "o_proj.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                down=linear(w(p + "mlp.down_proj.weight")),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
             ))
         self.rope = Rope(self.config, dtype, self.device, checkpoint.rope_freq_factors)
         # The norms and SiLU·up as one C call each where the CPU kernels run (kernels/cpu_elementwise.py).
@@ -115,7 +137,7 @@ class LlamaModel:
         """
         c = self.config
         num_tokens = input_ids.shape[0]
-        x = self.embed[input_ids]  # [T, hidden]
+        x = self.embed[input_ids] if self.embed_rows is None else self.embed_rows.rows(input_ids)  # [T, hidden]
         if self.decode_layers is not None and batch.num_decode == num_tokens:
             slots, tables = self.attention.checked(batch, pool.keys(0))  # type: ignore[attr-defined]
             x = self.decode_layers.run(x, self.rope.cos[positions], self.rope.sin[positions], pool.data, slots,

@@ -37,5 +37,7 @@ def checkpoint_cache(home: Path) -> Path:
     return home / "cache"
 
 
-def load_model_spec(spec: str | None, home: Path, progress: bool = True) -> Checkpoint:
-    return load_checkpoint(resolve_model(spec, home, progress), cache_dir=checkpoint_cache(home))
+def load_model_spec(spec: str | None, home: Path, progress: bool = True, keep_blocks: bool = False) -> Checkpoint:
+    """`keep_blocks`: `--weights native` (engine/checkpoint.load_checkpoint)."""
+    return load_checkpoint(resolve_model(spec, home, progress), cache_dir=checkpoint_cache(home),
+                           keep_blocks=keep_blocks)

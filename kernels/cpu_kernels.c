@@ -1,6 +1,7 @@
 /* The CPU kernels of a decode step, fp32, for x86-64 CPUs with AVX2 and FMA (kernels/cpu_kernels.py
  * builds this file and loads it):
- *   kvfence_pack / kvfence_gemm       y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])
+ *   kvfence_pack / kvfence_gemm       y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W in panels of float32
+ *                                     or of a GGUF block type kept as it ships (cpu_quant.c)
  *   kvfence_decode_attention          one query token per sequence over its KV pages, in place
  *   kvfence_store_kv                  a step's new K/V rows into their pages
  *   kvfence_rms_norm, kvfence_silu_mul  the element-wise steps of a layer, one call each
@@ -26,13 +27,15 @@
  * then + bias, then + y when accumulating), in every block alike, so a row's result does not
  * depend on M, on the other rows of the batch, or on which block computed it.
  */
+#include "cpu_kernels.h"
+
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define NR 16
 #define MR 6
 
 void kvfence_pack(const float *w, int64_t n, int64_t k, float *packed) {
@@ -223,16 +226,117 @@ static AVX512 void pair_block_rows(const float *x, int64_t ldx, const float *p0,
     }
 }
 
+/* ---- quantized panels (cpu_quant.c decodes them) ------------------------------------------------
+ *
+ * A decode step's rows (up to one block: 16 with AVX-512, 6 without) meet a quantized panel in one
+ * pass: KC of k at a time are decoded into an L1 buffer (the F32 layout), and the block's FMAs walk
+ * it, the accumulators held in registers across pieces; so the weights stream in at their own
+ * size and each is decoded once per step. More rows than one block (a prefill chunk, a large
+ * batch): the whole panel is decoded once into a per-thread buffer and the F32 blocks run over it.
+ * Either way each output is the F32 blocks' FMA chain over the decoded values, in the same order.
+ */
+
+#define KC 256  /* k per decoded piece: 16 KB of floats */
+
+static inline __attribute__((always_inline)) void
+block_q(const float *x, int64_t ldx, int format, const uint8_t *data, int64_t k, int rows,
+        float *y, int64_t ldy, int64_t cols, const float *bias, int accumulate, float *piece) {
+    ROW_DECL(0) ROW_DECL(1) ROW_DECL(2) ROW_DECL(3) ROW_DECL(4) ROW_DECL(5)
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        int64_t kc = k - k0 < KC ? k - k0 : KC;
+        kvfence_decode_chunks(format, data, k0 / CHUNK, kc / CHUNK, piece);
+        for (int64_t kk = k0; kk < k0 + kc; kk++) {
+            __m256 w0 = _mm256_load_ps(piece + (kk - k0) * NR);
+            __m256 w1 = _mm256_load_ps(piece + (kk - k0) * NR + 8);
+            ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
+        }
+    }
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
+}
+
+static void block_q_rows(const float *x, int64_t ldx, int format, const uint8_t *data, int64_t k, int rows,
+                         float *y, int64_t ldy, int64_t cols, const float *bias, int accumulate) {
+    float piece[KC * NR] __attribute__((aligned(64)));
+    switch (rows) {
+    case 6: block_q(x, ldx, format, data, k, 6, y, ldy, cols, bias, accumulate, piece); break;
+    case 5: block_q(x, ldx, format, data, k, 5, y, ldy, cols, bias, accumulate, piece); break;
+    case 4: block_q(x, ldx, format, data, k, 4, y, ldy, cols, bias, accumulate, piece); break;
+    case 3: block_q(x, ldx, format, data, k, 3, y, ldy, cols, bias, accumulate, piece); break;
+    case 2: block_q(x, ldx, format, data, k, 2, y, ldy, cols, bias, accumulate, piece); break;
+    default: block_q(x, ldx, format, data, k, 1, y, ldy, cols, bias, accumulate, piece); break;
+    }
+}
+
+static inline __attribute__((always_inline)) AVX512 void
+wide_block_q(const float *x, int64_t ldx, int format, const uint8_t *data, int64_t k, int rows,
+             float *y, int64_t ldy, int64_t cols, const float *bias, int accumulate, float *piece) {
+    WIDE_ALL(WIDE_DECL)
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        int64_t kc = k - k0 < KC ? k - k0 : KC;
+        kvfence_decode_chunks(format, data, k0 / CHUNK, kc / CHUNK, piece);
+        for (int64_t kk = k0; kk < k0 + kc; kk++) {
+            __m512 w = _mm512_load_ps(piece + (kk - k0) * NR);
+            WIDE_ALL(WIDE_FMA)
+        }
+    }
+    WIDE_ALL(WIDE_STORE)
+}
+
+#define WIDE_Q_CASE(r) \
+    case r + 1: wide_block_q(x, ldx, format, data, k, r + 1, y, ldy, cols, bias, accumulate, piece); break;
+
+static AVX512 void wide_block_q_rows(const float *x, int64_t ldx, int format, const uint8_t *data, int64_t k,
+                                     int rows, float *y, int64_t ldy, int64_t cols, const float *bias,
+                                     int accumulate) {
+    float piece[KC * NR] __attribute__((aligned(64)));
+    switch (rows) {
+    WIDE_ALL(WIDE_Q_CASE)
+    }
+}
+
+/* A buffer of this thread's, of at least `floats` floats (kept for the thread's life). */
+static float *thread_buffer(int64_t floats) {
+    static __thread float *buffer;
+    static __thread int64_t capacity;
+    if (capacity < floats) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)(floats * sizeof(float) + 63) / 64 * 64);
+        if (!buffer)
+            abort();  /* out of memory: never compute over a missing buffer */
+        capacity = floats;
+    }
+    return buffer;
+}
+
+/* Panel p as F32 panel floats: its own memory, or decoded into `into`. */
+static const float *panel_floats(const struct kvfence_weight *w, int64_t p, float *into) {
+    const uint8_t *data = w->data + w->panel_offset[p];
+    if (w->panel_format[p] == KVF_F32)
+        return (const float *)data;
+    kvfence_decode_chunks(w->panel_format[p], data, 0, w->k / CHUNK, into);
+    return into;
+}
+
 /* Every row of y's columns [16p, 16p + 16) from panel p. */
-static void one_panel(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, int64_t p,
-                      const float *bias, float *y, int accumulate) {
-    int64_t panels = (n + NR - 1) / NR;
-    const float *panel = packed + p * k * NR;
+static void one_panel(const float *x, int64_t m, const struct kvfence_weight *w, int64_t p, float *y,
+                      int accumulate) {
+    int64_t n = w->n, k = w->k, panels = (n + NR - 1) / NR;
     int64_t col = p * NR;
     int64_t cols = n - col < NR ? n - col : NR;
-    const float *b = bias ? bias + col : 0;
-    const float *next = p + 1 < panels && m >= PREFETCH_ROWS ? panel + k * NR : 0;
+    const float *b = w->bias ? w->bias + col : 0;
+    int format = w->panel_format[p];
     int64_t group = wide ? WR : MR;
+    if (format != KVF_F32 && m <= group) {  /* one pass, decoded piece by piece */
+        const uint8_t *data = w->data + w->panel_offset[p];
+        if (wide)
+            wide_block_q_rows(x, k, format, data, k, (int)m, y + col, n, cols, b, accumulate);
+        else
+            block_q_rows(x, k, format, data, k, (int)m, y + col, n, cols, b, accumulate);
+        return;
+    }
+    const float *panel = panel_floats(w, p, format == KVF_F32 ? 0 : thread_buffer(k * NR));
+    const float *next = p + 1 < panels && m >= PREFETCH_ROWS && format == KVF_F32
+                        && w->panel_format[p + 1] == KVF_F32 ? (const float *)(w->data + w->panel_offset[p + 1]) : 0;
     for (int64_t r = 0; r < m; r += group) {
         int rows = m - r < group ? (int)(m - r) : (int)group;
         const float *prefetch = r == 0 ? next : 0;
@@ -247,26 +351,28 @@ static void one_panel(const float *x, int64_t m, int64_t k, const float *packed,
  * a team for it, kvfence_decode_layer calls it inside its own). accumulate: y += x @ W^T.
  * A prefill chunk's rows (PAIR_ROWS or more, with AVX-512) go eight at a time over two panels;
  * a decode step's rows sixteen (or six) at a time over one. */
-static void gemm_panels(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                        const float *bias, float *y, int accumulate) {
-    int64_t panels = (n + NR - 1) / NR;
+static void gemm_panels(const float *x, int64_t m, const struct kvfence_weight *w, float *y, int accumulate) {
+    int64_t n = w->n, k = w->k, panels = (n + NR - 1) / NR;
     if (!wide || m < PAIR_ROWS) {
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++)
-            one_panel(x, m, k, packed, n, p, bias, y, accumulate);
+            one_panel(x, m, w, p, y, accumulate);
         return;
     }
     #pragma omp for schedule(static)
     for (int64_t q = 0; q < (panels + 1) / 2; q++) {
         int64_t p = 2 * q;
         if (p + 1 == panels) {  /* an odd last panel alone */
-            one_panel(x, m, k, packed, n, p, bias, y, accumulate);
+            one_panel(x, m, w, p, y, accumulate);
             continue;
         }
-        const float *p0 = packed + p * k * NR, *p1 = p0 + k * NR;
+        int both_f32 = w->panel_format[p] == KVF_F32 && w->panel_format[p + 1] == KVF_F32;
+        float *decoded = both_f32 ? 0 : thread_buffer(2 * k * NR);
+        const float *p0 = panel_floats(w, p, decoded), *p1 = panel_floats(w, p + 1, decoded ? decoded + k * NR : 0);
         int64_t col = p * NR, cols1 = n - col - NR < NR ? n - col - NR : NR;
-        const float *b = bias ? bias + col : 0;
-        const float *next = p + 3 < panels ? p0 + 2 * k * NR : 0;
+        const float *b = w->bias ? w->bias + col : 0;
+        const float *next = both_f32 && p + 3 < panels && w->panel_format[p + 2] == KVF_F32
+                            && w->panel_format[p + 3] == KVF_F32 ? (const float *)(w->data + w->panel_offset[p + 2]) : 0;
         for (int64_t r = 0; r < m; r += PR) {
             int rows = m - r < PR ? (int)(m - r) : PR;
             pair_block_rows(x + r * k, k, p0, p1, k, rows, y + r * n + col, n, cols1, b, r == 0 ? next : 0,
@@ -275,11 +381,9 @@ static void gemm_panels(const float *x, int64_t m, int64_t k, const float *packe
     }
 }
 
-/* bias: NULL, or N floats padded to a multiple of 16 (the padding is never stored to y). */
-void kvfence_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                  const float *bias, float *y, int threads) {
+void kvfence_gemm(const float *x, int64_t m, const struct kvfence_weight *w, float *y, int threads) {
     #pragma omp parallel num_threads(threads)
-    gemm_panels(x, m, k, packed, n, bias, y, 0);
+    gemm_panels(x, m, w, y, 0);
 }
 
 /* ---- decode attention ------------------------------------------------------------------------
@@ -528,11 +632,11 @@ void kvfence_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
  * are checked by the caller once per step (kernels/cpu_attention.py), as for the separate calls.
  */
 struct kvfence_layer_weights {
-    const float *attn_norm, *mlp_norm;  /* [hidden] */
-    const float *qkv, *qkv_bias;        /* packed [qkv_n, hidden]; bias padded, or NULL */
-    const float *o;                     /* packed [hidden, q_size] */
-    const float *gate_up;               /* packed [2 * inter, hidden] */
-    const float *down;                  /* packed [hidden, inter] */
+    const float *attn_norm, *mlp_norm;    /* [hidden] */
+    const struct kvfence_weight *qkv;     /* [qkv_n, hidden] (with the Q/K/V biases, if any) */
+    const struct kvfence_weight *o;       /* [hidden, q_size] */
+    const struct kvfence_weight *gate_up; /* [2 * inter, hidden] */
+    const struct kvfence_weight *down;    /* [hidden, inter] */
 };
 
 struct kvfence_decode_step {
@@ -573,7 +677,7 @@ void kvfence_decode_layer(const struct kvfence_layer_weights *w, const struct kv
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < b_n; b++)
             rms_norm_row(x + b * hidden, w->attn_norm, s->h + b * hidden, hidden, s->eps);
-        gemm_panels(s->h, b_n, hidden, w->qkv, qkv_n, w->qkv_bias, s->qkv, 0);
+        gemm_panels(s->h, b_n, w->qkv, s->qkv, 0);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < b_n; b++) {
             float *row = s->qkv + b * qkv_n;
@@ -592,14 +696,14 @@ void kvfence_decode_layer(const struct kvfence_layer_weights *w, const struct kv
                        s->table + b * s->max_pages, s->kv_lens[b], s->page_size, s->page_stride,
                        h * s->head_stride, (int)group, d, s->scale, scores);
         }
-        gemm_panels(s->attn, b_n, q_size, w->o, hidden, 0, x, 1);
+        gemm_panels(s->attn, b_n, w->o, x, 1);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < b_n; b++)
             rms_norm_row(x + b * hidden, w->mlp_norm, s->h + b * hidden, hidden, s->eps);
-        gemm_panels(s->h, b_n, hidden, w->gate_up, 2 * s->inter, 0, s->gu, 0);
+        gemm_panels(s->h, b_n, w->gate_up, s->gu, 0);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < b_n; b++)
             silu_mul_row(s->gu + b * 2 * s->inter, s->act + b * s->inter, s->inter);
-        gemm_panels(s->act, b_n, s->inter, w->down, hidden, 0, x, 1);
+        gemm_panels(s->act, b_n, w->down, x, 1);
     }
 }

@@ -1,15 +1,16 @@
-"""The CPU kernels of a decode step (cpu_kernels.c), built on first use and loaded through ctypes;
-their Python faces are kernels/cpu_gemm.py, kernels/cpu_attention.py and kernels/cpu_elementwise.py.
+"""The CPU kernels of a decode step (cpu_kernels.c, with the quantized weights' decoding in
+cpu_quant.c), built on first use and loaded through ctypes; their Python faces are
+kernels/cpu_gemm.py, kernels/cpu_attention.py and kernels/cpu_elementwise.py.
 
 Why: a decode step multiplies a few rows by every weight of the model, so it is a stream of the
 weights, and reads every sequence's KV pages once; oneDNN's small-M GEMM reads the weights at a
 third to a half of this machine's memory bandwidth, and the torch attention path copies every
 page it reads (docs/benchmarks.md, "A floor for each step").
 
-The library is compiled by the system's C compiler (`cc`, with `-mavx2 -mfma -fopenmp`) into
-$KVFENCE_HOME/cache/kernels under a name that hashes the source and the flags, written by
+The library is compiled by the system's C compiler (`cc`, with `-mavx2 -mfma -mf16c -fopenmp`) into
+$KVFENCE_HOME/cache/kernels under a name that hashes the sources and the flags, written by
 rename, and reused by every later process. `available()` is False, with the reason in
-`unavailable_reason()`, when the CPU lacks AVX2/FMA, no compiler is found, or the build fails:
+`unavailable_reason()`, when the CPU lacks AVX2/FMA/F16C, no compiler is found, or the build fails:
 callers then keep their torch/oneDNN paths. Set KVFENCE_CPU_KERNELS=off to never use them.
 
 ctypes releases the GIL for each call; OpenMP spreads the work over torch's intra-op thread
@@ -31,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_quant.c"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,19 +50,20 @@ def _cpu_has_avx2_fma() -> bool:
                       if line.startswith("flags")), "")
     except OSError:
         return False
-    return " avx2" in flags and " fma" in flags
+    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
 
 
 def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(directory: Path) -> Path:
-    source = SOURCE.read_bytes()
+def _build(directory: Path, sources: tuple[Path, ...] = SOURCES) -> Path:
+    """The library built from `sources` (and HEADERS) into `directory`, once per content and flags."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256(source + "\0".join(FLAGS).encode() + compiler.encode()).hexdigest()[:24]
+    text = b"\0".join(path.read_bytes() for path in (*sources, *HEADERS))
+    key = hashlib.sha256(text + "\0".join(FLAGS).encode() + compiler.encode()).hexdigest()[:24]
     target = directory / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
@@ -68,8 +71,8 @@ def _build(directory: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".cpu_kernels-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run([compiler, *FLAGS, f"-I{HEADERS[0].parent}", *map(str, sources), "-o", tmp],
+                              capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -86,20 +89,29 @@ def _library() -> _Library:
     if cpu_kernels_setting() == "off":
         return _Library(None, "KVFENCE_CPU_KERNELS=off")
     if not _cpu_has_avx2_fma():
-        return _Library(None, "the CPU lacks AVX2 or FMA")
+        return _Library(None, "the CPU lacks AVX2, FMA or F16C")
     if _compiler() is None:
         return _Library(None, "no C compiler (cc or gcc) on PATH")
     try:
-        path = _build(kvfence_home() / "cache" / "kernels")
-        torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the library shares it
-        lib = ctypes.CDLL(str(path))
+        lib = load(_build(kvfence_home() / "cache" / "kernels"))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return _Library(None, f"its build failed: {e}", expected=False)
+    return _Library(lib, "")
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at `path` with its functions declared (tests load mutated builds through it)."""
+    torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the library shares it
+    lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvfence_pack.argtypes = [ptr, i64, i64, ptr]
     lib.kvfence_pack.restype = None
-    lib.kvfence_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.kvfence_gemm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int]
     lib.kvfence_gemm.restype = None
+    lib.kvfence_weight_rows.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.kvfence_weight_rows.restype = None
+    lib.kvfence_panel_bytes.argtypes = [ctypes.c_int, i64]
+    lib.kvfence_panel_bytes.restype = i64
     lib.kvfence_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                              ctypes.c_float, ptr, i64, ctypes.c_int]
     lib.kvfence_decode_attention.restype = None
@@ -111,7 +123,7 @@ def _library() -> _Library:
     lib.kvfence_silu_mul.restype = None
     lib.kvfence_wide_blocks.argtypes = [ctypes.c_int]
     lib.kvfence_wide_blocks.restype = ctypes.c_int
-    return _Library(lib, "")
+    return lib
 
 
 def library() -> ctypes.CDLL:

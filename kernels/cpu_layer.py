@@ -28,8 +28,8 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", _ptr), ("qkv_bias", _ptr), ("o", _ptr),
-                ("gate_up", _ptr), ("down", _ptr)]
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", _ptr), ("o", _ptr), ("gate_up", _ptr),
+                ("down", _ptr)]
 
 
 class _DecodeStep(ctypes.Structure):
@@ -50,14 +50,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 class LayerParams:
-    """One layer's weights as the C call takes them: the norms' vectors and the packed linears."""
+    """One layer's weights as the C call takes them: the norms' vectors and the packed linears
+    (float32 panels or block types kept as they ship, the Q/K/V biases inside `qkv`)."""
 
     def __init__(self, attn_norm: torch.Tensor, qkv: PackedWeight, o: PackedWeight, mlp_norm: torch.Tensor,
                  gate_up: PackedWeight, down: PackedWeight) -> None:
         self._keep = (attn_norm, qkv, o, mlp_norm, gate_up, down)  # the memory the pointers name
-        self.struct = _LayerWeights(attn_norm.data_ptr(), mlp_norm.data_ptr(), qkv.packed.data_ptr(),
-                                    None if qkv.bias is None else qkv.bias.data_ptr(), o.packed.data_ptr(),
-                                    gate_up.packed.data_ptr(), down.packed.data_ptr())
+        self.struct = _LayerWeights(attn_norm.data_ptr(), mlp_norm.data_ptr(),
+                                    *(ctypes.addressof(lin.struct) for lin in (qkv, o, gate_up, down)))
 
 
 class DecodeLayers:
