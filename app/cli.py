@@ -269,7 +269,24 @@ def _check(args: argparse.Namespace) -> int:
     configured = configured_context(config, model)
     if context != configured:
         print(f"context clamped from {configured} to {context} tokens (--clamp-context)")
+    print(_weights_line(resolve_model(config.model, kvfence_home()), config.workers.weights, dtype))
     return 0
+
+
+def _weights_line(path: Path, weights: str, dtype) -> str:  # dtype: torch.dtype
+    """What `kvfence check` says of the weights: the bytes a worker holds, by how it holds them."""
+    from kvfence.engine.gguf_loader import read_metadata
+    from kvfence.engine.loading import checkpoint_cache
+    from kvfence.engine.weight_size import weight_bytes
+
+    if path.is_dir():
+        return "weights: a model directory, held as floats of --dtype"
+    dtype_name = str(dtype).removeprefix("torch.")
+    held = weight_bytes(read_metadata(path, checkpoint_cache(kvfence_home())), weights == "native", dtype_name,
+                        dtype.itemsize)
+    kinds = ", ".join(f"{kind} {size / 2**20:.1f}" for kind, size in sorted(held.by_kind.items()))
+    shipped = ", ".join(f"{count} {kind}" for kind, count in sorted(held.file_kinds.items()))
+    return f"weights (--weights {weights}): {held.total / 2**20:.1f} MiB per worker ({kinds} MiB); the file: {shipped}"
 
 
 def _fetch(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from kvfence.engine.gguf_loader import GGUFMetadata
 
-FORMAT = 1  # bump when what an entry holds changes meaning
+FORMAT = 2  # bump when what an entry holds changes meaning
 MAX_CACHED_WEIGHT_BYTES = 2 << 30
 
 
@@ -51,13 +51,15 @@ class GGUFCache:
         from kvfence.engine.gguf_loader import GGUFMetadata
 
         raw = self._read_json("metadata.json")
-        if raw is None or raw.get("source") != self.source:
+        if raw is None or raw.get("source") != self.source or not isinstance(raw.get("tensor_types"), dict):
             return None
-        return GGUFMetadata(fields=raw["fields"], tensor_names=raw["tensor_names"])
+        return GGUFMetadata(fields=raw["fields"], tensor_names=raw["tensor_names"],
+                            tensor_types={name: (kind, shape) for name, (kind, shape) in raw["tensor_types"].items()})
 
     def store_metadata(self, meta: GGUFMetadata) -> None:
         try:
-            text = json.dumps({"source": self.source, "fields": meta.fields, "tensor_names": meta.tensor_names})
+            text = json.dumps({"source": self.source, "fields": meta.fields, "tensor_names": meta.tensor_names,
+                               "tensor_types": meta.tensor_types})
         except (TypeError, ValueError):  # a value JSON cannot carry: no entry, the file is read each time
             return
         self._write("metadata.json", text.encode())

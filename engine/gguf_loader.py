@@ -94,6 +94,9 @@ class GGUFMetadata:
 
     fields: dict[str, Any]
     tensor_names: list[str]
+    # name -> (GGUF type name, shape as [rows, values per row] or [values]): what `kvfence check`
+    # sizes the weights from without reading them
+    tensor_types: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
 
     def field(self, key: str, default: Any = None) -> Any:
         value = self.fields.get(key)
@@ -102,7 +105,9 @@ class GGUFMetadata:
 
 def metadata_of(reader: Any) -> GGUFMetadata:
     return GGUFMetadata(fields={key: f.contents() for key, f in reader.fields.items()},
-                        tensor_names=[t.name for t in reader.tensors])
+                        tensor_names=[t.name for t in reader.tensors],
+                        tensor_types={t.name: (t.tensor_type.name, [int(d) for d in reversed(t.shape)])
+                                      for t in reader.tensors})
 
 
 def read_metadata(path: Path, cache_dir: Path | None = None) -> GGUFMetadata:

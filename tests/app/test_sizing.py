@@ -252,3 +252,9 @@ def test_check_command(default_model_path: Path) -> None:
     assert parse_table(clamped.stdout) == {"prefill": ["16384", str(per_token), "64", "256.00", "ok"],
                                            "decode": ["64", str(per_token), "64", "1.00", "warn"]}
     assert "context clamped from 8192 to 64 tokens" in clamped.stdout
+    # the weights a worker holds, by how it holds them (engine/weight_size.py; the sizes themselves
+    # are checked against a built model in tests/engine/test_native_weights.py)
+    if pick_device("auto").type == "cpu":
+        assert "weights (--weights native): 92.1 MiB per worker (Q4_1 63.3, Q8_0 28.7, float32 0.1 MiB); " \
+               "the file: 61 F32, 210 Q4_1, 1 Q8_0" in ok.stdout
+        assert "weights (--weights float32): 621.1 MiB" in kvfence_check(*model, "--weights", "float32").stdout

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
+from kvfence.engine.gguf_loader import read_metadata
 from kvfence.engine.gguf_tensor import GGUFTensor
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.weight_size import weight_bytes
 from kvfence.kernels import cpu_gemm, cpu_kernels
 from kvfence.scheduler.offline import OfflineEngine
 
@@ -35,8 +37,8 @@ def _engine(checkpoint: Checkpoint) -> OfflineEngine:
     return OfflineEngine(ModelRunner(model, pool), checkpoint.tokenizer, chunk_tokens=64)
 
 
-def test_the_file_s_block_types_are_kept_and_dequantize_to_the_float32_load(native: Checkpoint,
-                                                                             smollm2: Checkpoint) -> None:
+def test_the_file_s_block_types_are_kept_and_dequantize_to_the_float32_load(native: Checkpoint, smollm2: Checkpoint,
+                                                                             default_model_path: Path) -> None:
     kept = {name: t for name, t in native.tensors.items() if isinstance(t, GGUFTensor)}
     assert {t.kind for t in kept.values()} == {"Q4_1", "Q8_0"}
     assert kept["model.embed_tokens.weight"].kind == "Q8_0"
@@ -47,9 +49,13 @@ def test_the_file_s_block_types_are_kept_and_dequantize_to_the_float32_load(nati
     model = LlamaModel(native, torch.float32)
     assert model.embed_rows is not None and model.lm_head.packed is model.embed_rows
     assert model.decode_layers is not None and model.layers[0].gate_up.packed.kinds == ["Q4_1"]
-    weight_bytes = sum(lin.packed.nbytes for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up,
-                                                                             layer.down)) + model.lm_head.packed.nbytes
-    assert weight_bytes < 0.2 * 4 * sum(t.numel() for t in smollm2.tensors.values())
+    held = {kind: sum(lin.packed.nbytes for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up,
+                                                                             layer.down) if lin.packed.kinds == [kind])
+            for kind in ("Q4_1", "Q8_0")}
+    held["Q8_0"] += model.lm_head.packed.nbytes
+    assert held["Q4_1"] + held["Q8_0"] < 0.2 * 4 * sum(t.numel() for t in smollm2.tensors.values())
+    predicted = weight_bytes(read_metadata(default_model_path), True, "float32", 4)  # what `kvfence check` says
+    assert {kind: predicted.by_kind[kind] for kind in held} == held
 
 
 def _same_logits(native: Checkpoint, smollm2: Checkpoint, cases: list[dict], params: SamplingParams) -> None:
