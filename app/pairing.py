@@ -17,6 +17,7 @@ from typing import Any
 
 from anyio.abc import TaskGroup
 
+from kvfence.app.guards import Guards
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.scheduler.transfer import TransferLink
@@ -33,11 +34,12 @@ PAGE_LAYOUT = "pages,layers,kv,kv_heads,page_size,head_dim"
 DIGEST = "xxh3_64"
 
 
-def role_record(pool: KVPool, model_id: str, context_tokens: int) -> PairingRecord:
-    """What one role's endpoint states at pairing: its pool's bytes and the longest request it holds."""
+def role_record(pool: KVPool, model_id: str, context_tokens: int, guards: Guards = Guards()) -> PairingRecord:
+    """What one role's endpoint states at pairing: its pool's bytes and the longest request it holds
+    (and, with the digest guard off, no page digest: app/guards.py)."""
     return PairingRecord(
         model=model_id, dtype=str(pool.dtype).removeprefix("torch."), page_size_tokens=pool.page_size_tokens,
-        page_nbytes=pool.page_nbytes, page_layout=PAGE_LAYOUT, digest=DIGEST,
+        page_nbytes=pool.page_nbytes, page_layout=PAGE_LAYOUT, digest=DIGEST if guards.digests else "none",
         max_context_tokens=min(context_tokens, pool.capacity_tokens), incarnation=id_hex(mint_id()),
         block_hash=BLOCK_HASH_SCHEME)
 
@@ -54,16 +56,18 @@ async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, Pai
                        decode: tuple[KVPool, PairingRecord], secret: DeploymentSecret, front_key: FrontKey,
                        fault_inject: str = "",
                        options: Mapping[str, Any] | None = None, *,
-                       role_options: Mapping[str, Mapping[str, Any]] | None = None) -> PairedWorkers:
+                       role_options: Mapping[str, Mapping[str, Any]] | None = None,
+                       guards: Guards = Guards()) -> PairedWorkers:
     """Start a `transport` endpoint per role (constructed with the deployment `secret`, the public
     half of `front_key`, which signs every push's capability, `options`
     and that role's `role_options["prefill"|"decode"]`, e.g. where it listens) over its pool and
-    pair prefill -> decode; `fault_inject` (a FaultPlan spec) wraps the sending side.
+    pair prefill -> decode; `fault_inject` (a FaultPlan spec) wraps the sending side. `guards`:
+    the endpoints' sealing and capabilities (app/guards.py; the records carry the digest guard).
 
     Raises PairingRefused (after logging it and closing both endpoints) when the records disagree."""
     (prefill_pool, prefill_record), (decode_pool, decode_record) = prefill, decode
     own = role_options or {}
-    credentials = {"secret": secret, "front_key": front_key.public}
+    credentials = {"secret": secret, "front_key": front_key.public, **guards.endpoint_options()}
     sender = create_transport(transport, **credentials, **(options or {}), **own.get("prefill", {}))
     receiver = create_transport(transport, **credentials, **(options or {}), **own.get("decode", {}))
     endpoints = [sender, receiver]
@@ -82,7 +86,7 @@ async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, Pai
         raise
     context = min(prefill_record.max_context_tokens, peer.info.record.max_context_tokens)
     link = TransferLink.local(sender, receiver, peer, prefill_record.page_size_tokens, prefill_record.page_nbytes,
-                              front_key)
+                              front_key if guards.capabilities else None)
     log.info("paired prefill -> decode over %s (%s); context limits %d and %d tokens, serving %d",
              transport, receiver_info.address, prefill_record.max_context_tokens,
              peer.info.record.max_context_tokens, context)

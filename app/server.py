@@ -21,6 +21,7 @@ from kvfence.app.api_keys import ApiKeys
 from kvfence.app.edge import allowed_hosts
 from kvfence.app.gc_heap import startup_heap_frozen
 from kvfence.app.grammar_compiler import GrammarCompiler
+from kvfence.app.guards import Guards
 from kvfence.app.http_api import build_app
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.app.readiness import ReadinessCanary, Reference, local_reference
@@ -85,22 +86,27 @@ async def _drain_on_signal(scheduler: Scheduler, shutdown: anyio.Event, timeout_
 
 
 async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str,
-                intra_op_threads: int | None = None) -> int:
+                intra_op_threads: int | None = None, guards: Guards = Guards()) -> int:
     """Serve until SIGTERM/SIGINT drained (0), or 1 when the workers' transport endpoints refused
     to pair, or (with --discovery) the workers cannot be used (logged). `intra_op_threads`: each
-    device's compute thread team (engine/compute.py)."""
+    device's compute thread team (engine/compute.py). `guards`: every isolation guard on, unless a
+    program measuring their cost says otherwise (app/guards.py; in one process, over tcp, only)."""
+    if guards.off() and (config.discovery is not None or config.transport.name != "tcp"):
+        raise ValueError("guards can be turned off only in one process, over tcp")
+    guards.warn()
     if config.discovery is not None:
         from kvfence.app.remote_front import serve_remote  # it builds on this module
         return await serve_remote(config, checkpoint, model_name)
-    workers = build_workers(config, checkpoint, intra_op_threads)
+    workers = build_workers(config, checkpoint, intra_op_threads, guards)
     try:
         confine_to_one_intra_op_thread()  # torch work outside the compute threads stays single-threaded
-        return await _serve_workers(config, checkpoint, model_name, workers)
+        return await _serve_workers(config, checkpoint, model_name, workers, guards)
     finally:
         workers.close()
 
 
-async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name: str, workers: Workers) -> int:
+async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name: str, workers: Workers,
+                         guards: Guards) -> int:
     prefill_pool = workers.prefill.pool
     decode_pool = workers.decode.pool if workers.decode is not None else prefill_pool
     context = workers.max_context_tokens  # every pool holds it (checked before allocation)
@@ -110,7 +116,7 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
         transports: list[Transport] = []
         if workers.decode is not None:
             model_id = model_identity(checkpoint, model_name)
-            roles = [(pool, role_record(pool, model_id, context)) for pool in (prefill_pool, decode_pool)]
+            roles = [(pool, role_record(pool, model_id, context, guards)) for pool in (prefill_pool, decode_pool)]
             transport = config.transport
             secret = DeploymentSecret.from_file(transport.secret_file) if transport.secret_file \
                 else DeploymentSecret.generate()  # both workers live in this process
@@ -120,7 +126,7 @@ async def _serve_workers(config: ServeConfig, checkpoint: Checkpoint, model_name
                 paired = await pair_workers(tg, transport.name, roles[0], roles[1], secret, front_key,
                                             transport.fault_inject,
                                             role_options={role: transport.endpoint_options(role)
-                                                          for role in ("prefill", "decode")})
+                                                          for role in ("prefill", "decode")}, guards=guards)
             except PairingRefused:
                 tg.cancel_scope.cancel()
                 return 1

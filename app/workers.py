@@ -8,10 +8,11 @@ import logging
 import torch
 
 from kvfence.app.config import ServeConfig
+from kvfence.app.guards import Guards
 from kvfence.app.sizing import plan_pools, resolve_context
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import ComputeThread
-from kvfence.engine.kv_pool import KVPool
+from kvfence.engine.kv_pool import UNSCRUBBED, KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.loading import pick_device, pick_dtype
@@ -37,16 +38,18 @@ class Workers:
             thread.close()
 
 
-def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads: int | None = None) -> Workers:
+def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads: int | None = None,
+                  guards: Guards = Guards()) -> Workers:
     """One worker per role (or one colocated worker); models on the same device share weights.
 
     Each device gets a compute thread (`intra_op_threads` for its team, see engine/compute.py),
     and everything of its workers, from the weights and the pool's memory on, is made there.
+    `guards`: the workers' owner-tag check and scrub (app/guards.py).
 
     Raises UndersizedPoolError, before anything is allocated, when a pool cannot hold one request
     of the full context (unless --clamp-context)."""
     roles = ["prefill"] if config.disaggregation == "off" else ["prefill", "decode"]
-    workers, dtype, context, compute = _build(config, checkpoint, roles, intra_op_threads)
+    workers, dtype, context, compute = _build(config, checkpoint, roles, intra_op_threads, guards)
     return Workers(workers["prefill"], workers.get("decode"), dtype, context, compute)
 
 
@@ -65,12 +68,12 @@ def build_role_worker(config: ServeConfig, checkpoint: Checkpoint, role: str, de
     role's pool of a disaggregated server with these settings (UndersizedPoolError likewise)."""
     devices = {f"{role}_device": device}
     config = dataclasses.replace(config, disaggregation="on", workers=dataclasses.replace(config.workers, **devices))
-    workers, _, context, compute = _build(config, checkpoint, [role], intra_op_threads)
+    workers, _, context, compute = _build(config, checkpoint, [role], intra_op_threads, Guards())
     return RoleWorker(workers[role], next(iter(compute.values())), context)
 
 
-def _build(config: ServeConfig, checkpoint: Checkpoint, roles: list[str], intra_op_threads: int | None
-           ) -> tuple[dict[str, Worker], torch.dtype, int, dict[torch.device, ComputeThread]]:
+def _build(config: ServeConfig, checkpoint: Checkpoint, roles: list[str], intra_op_threads: int | None,
+           guards: Guards) -> tuple[dict[str, Worker], torch.dtype, int, dict[torch.device, ComputeThread]]:
     devices = {"prefill": pick_device(config.workers.prefill_device),
                "decode": pick_device(config.workers.decode_device)}
     dtype = pick_dtype(config.workers.dtype, devices[roles[0]])
@@ -100,8 +103,9 @@ def _build(config: ServeConfig, checkpoint: Checkpoint, roles: list[str], intra_
                      pool.capacity_tokens, plan.pool_bytes / 2**20, str(dtype).removeprefix("torch."),
                      model.attention.name, compute[device].intra_op_threads)
             sanitizer = KvSanitizer(pool.num_pages, pool.page_size_tokens) if config.workers.kv_sanitizer else None
-            workers[role] = Worker(plan.role, ModelRunner(model, pool, sanitizer=sanitizer),
-                                   scrub=config.pools.kv_scrub, tokenizer=checkpoint.tokenizer)
+            runner = ModelRunner(model, pool, owner_check=guards.owner_tags, sanitizer=sanitizer)
+            workers[role] = Worker(plan.role, runner, scrub=config.pools.kv_scrub if guards.scrub else UNSCRUBBED,
+                                   tokenizer=checkpoint.tokenizer)
     except BaseException:
         for thread in compute.values():
             thread.close()

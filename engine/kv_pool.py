@@ -18,11 +18,18 @@ import torch
 from kvfence.engine.model_config import ModelConfig
 
 _MASK64 = (1 << 64) - 1
-SCRUB_MODES = ("poison", "zero", "off")
+SCRUB_MODES = ("poison", "zero")  # what --kv-scrub offers: no setting lets a freed page keep its bytes
+UNSCRUBBED = "off"  # freed pages keep their bytes: only with the scrub guard off (app/guards.py)
 # Finite on purpose: attention also touches the masked tail of a sequence's last page, and a NaN
 # there would poison correct results (0 * NaN = NaN); a large finite value is harmless when masked
 # and dominates the scores when read. Small enough that q.k stays finite in fp16.
 POISON_VALUE = 64.0
+
+
+def check_scrub(scrub: str) -> None:
+    """ValueError naming --kv-scrub's modes unless `scrub` is one of them or UNSCRUBBED."""
+    if scrub not in (*SCRUB_MODES, UNSCRUBBED):
+        raise ValueError(f"--kv-scrub must be one of {', '.join(SCRUB_MODES)}, got {scrub!r}")
 
 
 def lease_tag(lease: int) -> tuple[int, int]:
@@ -94,9 +101,8 @@ class KVPool:
     def clear(self, pages: list[int], scrub: str = "off") -> None:
         """Mark `pages` free (tag 0) and scrub their contents: "poison" fills them with POISON_VALUE,
         so attention that reads a slot nobody wrote since is dominated by it and the output visibly
-        breaks; "zero" zeroes them; "off" leaves them."""
-        if scrub not in SCRUB_MODES:
-            raise ValueError(f"--kv-scrub must be one of {', '.join(SCRUB_MODES)}, got {scrub!r}")
+        breaks; "zero" zeroes them; "off" (UNSCRUBBED) leaves them."""
+        check_scrub(scrub)
         idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
         self.owner_tags[idx] = 0
         if scrub == "poison":

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from kvfence.engine.compute import ComputeThread
-from kvfence.engine.kv_pool import SCRUB_MODES, KVPool
+from kvfence.engine.kv_pool import KVPool, check_scrub
 from kvfence.engine.kv_sanitizer import SlotViolation
 from kvfence.engine.owner_check import OwnerViolation
 from kvfence.engine.page_tables import LeasePageTables
@@ -33,13 +33,13 @@ DEFERRED_WAIT_S = 0.05  # the longest a step of only deferred seqs waits for the
 
 
 class Worker:
-    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison", tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, role: str, runner: ModelRunner, scrub: str = "poison",
+                 tokenizer: Tokenizer | None = None) -> None:
         """`scrub`: what released pages are filled with (see KVPool.clear). With a KV sanitizer on
         the runner, the worker also tells it of releases and of transfers that landed.
         `tokenizer`: the model's, which a grammar needs (engine/grammar.py); without it a step of a
         grammar-bound request fails."""
-        if scrub not in SCRUB_MODES:
-            raise ValueError(f"--kv-scrub must be one of {', '.join(SCRUB_MODES)}, got {scrub!r}")
+        check_scrub(scrub)
         self.role = role
         self.runner = runner
         self.scrub = scrub

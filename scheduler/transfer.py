@@ -82,10 +82,11 @@ class LocalReceivingEnd:
 
 class TransferLink:
     """A paired sending and receiving end, the receiver incarnation they paired with, and the
-    front end's key that signs each push's capability."""
+    front end's key that signs each push's capability (None: pushes carry none, only with the
+    capability guard off, app/guards.py; a receiver that checks refuses them)."""
 
     def __init__(self, sender: SendingEnd, receiver: ReceivingEnd, receiver_incarnation: str, page_size_tokens: int,
-                 page_nbytes: int, front_key: FrontKey) -> None:
+                 page_nbytes: int, front_key: FrontKey | None) -> None:
         self.front_key = front_key
         self.sender = sender
         self.receiver = receiver
@@ -95,7 +96,7 @@ class TransferLink:
 
     @classmethod
     def local(cls, sender: Transport, receiver: Transport, peer: Peer, page_size_tokens: int, page_nbytes: int,
-              front_key: FrontKey) -> TransferLink:
+              front_key: FrontKey | None) -> TransferLink:
         """Both endpoints in this process; `peer`: the receiver as the sender paired with it."""
         return cls(LocalSendingEnd(sender, peer), LocalReceivingEnd(receiver), peer.info.record.incarnation,
                    page_size_tokens, page_nbytes, front_key)
@@ -114,8 +115,9 @@ class TransferLink:
                                     num_pages=num_pages)
         # the receiver incarnation the sender paired with (checked at pairing): a push planned for it
         # is refused by any later incarnation of the receiver
-        manifest = msgspec.structs.replace(
-            manifest, capability=self.front_key.capability(manifest, dst, self.receiver_incarnation))
+        if self.front_key is not None:
+            manifest = msgspec.structs.replace(
+                manifest, capability=self.front_key.capability(manifest, dst, self.receiver_incarnation))
         try:
             await self.receiver.expect(manifest, dst)
         except Exception as e:  # nothing is armed: no byte can land for this transfer

@@ -13,7 +13,7 @@ import torch
 
 from kvfence.app.environment import kvfence_home
 from kvfence.engine.gguf_loader import config_from_fields, read_metadata
-from kvfence.engine.kv_pool import SCRUB_MODES, KVPool
+from kvfence.engine.kv_pool import SCRUB_MODES, UNSCRUBBED, KVPool
 from kvfence.engine.loading import DTYPES
 from kvfence.engine.model_registry import resolve_model
 
@@ -31,7 +31,7 @@ def main() -> None:
     n = args.pages_per_release
     mib = n * pool.page_nbytes / 2**20
     print(f"{args.dtype}, {n} pages ({n * 16} tokens, {mib:.1f} MiB) per release, {torch.get_num_threads()} threads")
-    for mode in SCRUB_MODES:
+    for mode in (*SCRUB_MODES, UNSCRUBBED):
         releases = 0
         t0 = time.perf_counter()
         for _ in range(args.rounds):

@@ -39,13 +39,20 @@ def start(flags: list[str], log: Path, timeout_s: float = 300) -> tuple[subproce
     proc = subprocess.Popen([str(Path(sys.executable).with_name("kvfence")), "serve", "--port", str(port), *flags],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    wait_ready(proc, url, log, timeout_s)
+    return proc, url
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
+    """Return once the server `proc` serves `url` and its `/ready` is 200; SystemExit (killing it
+    when it is still running) when it exits or is not ready in `timeout_s`, naming its `log`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode}; see {log}")
         try:
             if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)

@@ -45,15 +45,17 @@ class Endpoint(Transport):
     """Base of the built-in transports. Subclasses implement start/pair/push/health/aclose and
     call `_register` from `start`. `secret`: the deployment's (core/secret.py), which peers prove;
     `front_key`: the front end's public key (core/front_key.py); the receiver checks
-    every capability with it against this endpoint's incarnation."""
+    every capability with it against this endpoint's incarnation (`capabilities=False`: it checks
+    none, only with the capability guard off, app/guards.py)."""
 
     def __init__(self, *, secret: DeploymentSecret, front_key: FrontPublicKey, stage_through_host: bool | None = None,
-                 stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
+                 stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES, capabilities: bool = True) -> None:
         if not isinstance(secret, DeploymentSecret):
             raise TypeError(f"secret must be a DeploymentSecret, not {type(secret).__name__}")
         if not isinstance(front_key, FrontPublicKey):
             raise TypeError(f"front_key must be a FrontPublicKey, not {type(front_key).__name__}")
         self.secret, self.front_key = secret, front_key
+        self.capabilities = capabilities
         self.stage_through_host = stage_through_host
         self.stage_chunk_bytes = stage_chunk_bytes
         self._pool_bytes: PoolBytes | None = None
@@ -78,8 +80,8 @@ class Endpoint(Transport):
                                stage_chunk_bytes=self.stage_chunk_bytes)
         front_key, incarnation = self.front_key, record.incarnation
         self._pool_bytes = pool_bytes
-        self._receiver = Receiver(pool_bytes, lambda m, dst: front_key.capability_ok(m, dst, incarnation),
-                                  page_size_tokens=record.page_size_tokens)
+        capability = (lambda m, dst: front_key.capability_ok(m, dst, incarnation)) if self.capabilities else None
+        self._receiver = Receiver(pool_bytes, capability, page_size_tokens=record.page_size_tokens)
         return pool_bytes
 
     def _started(self) -> tuple[PoolBytes, Receiver]:

@@ -70,13 +70,15 @@ class TcpTransport(ListeningEndpoint):
                  handshake_timeout_s: float = 10.0, keepalive_s: float = 30.0, max_connections: int = 64,
                  max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
                  stage_through_host: bool | None = None,
-                 stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES) -> None:
+                 stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES, sealed: bool = True,
+                 capabilities: bool = True) -> None:
         """`host`/`port`: where it listens (loopback unless told otherwise; 0: an ephemeral port).
-        `secret`, `handshake_timeout_s`, `keepalive_s`, `max_connections`, `max_unauthenticated`:
-        see ListeningEndpoint."""
+        `secret`, `handshake_timeout_s`, `keepalive_s`, `max_connections`, `max_unauthenticated`,
+        `sealed`: see ListeningEndpoint; `capabilities`: see Endpoint (False only with the guard
+        off, app/guards.py)."""
         super().__init__(host, port, secret=secret, front_key=front_key, handshake_timeout_s=handshake_timeout_s,
                          keepalive_s=keepalive_s, max_connections=max_connections,
-                         max_unauthenticated=max_unauthenticated,
+                         max_unauthenticated=max_unauthenticated, sealed=sealed, capabilities=capabilities,
                          stage_through_host=stage_through_host, stage_chunk_bytes=stage_chunk_bytes)
         self._peers: dict[str, SenderConnection] = {}  # by peer address
         self._accepted: set[Channel] = set()

@@ -67,9 +67,17 @@ class Channel:
 
     def seal(self, send_key: bytes, recv_key: bytes) -> None:
         """From now on every byte either way travels sealed (handshake.py calls this once)."""
+        self._frame(Sealer(send_key), Opener(recv_key))
+
+    def frame_in_clear(self) -> None:
+        """Instead of `seal`, with the sealing guard off (app/guards.py; benchmarks only): from now on
+        every byte travels in the same records, unencrypted and unauthenticated."""
+        self._frame(Sealer.in_clear(), Opener.in_clear())
+
+    def _frame(self, sealer: Sealer, opener: Opener) -> None:
         if self.sealed:
             raise RuntimeError("the channel is already sealed")
-        self._sealer, self._opener = Sealer(send_key), Opener(recv_key)
+        self._sealer, self._opener = sealer, opener
         self._wire_out, self._wire_in = memoryview(bytearray(WIRE_MAX)), memoryview(bytearray(WIRE_MAX))
         self._plain = memoryview(bytearray(RECORD_MAX))
 

@@ -24,6 +24,11 @@ only its public half, takes steps only over a connection whose connector signed 
 transcript, so a worker host cannot pose as a front end, and a relay that swapped either ephemeral
 key breaks the signature.
 
+With the sealing guard off (`sealed=False`, app/guards.py: only a server assembled in code, to
+measure what sealing costs) the handshake still authenticates both ends, under a label of its own
+(so an unsealed end never pairs with a sealed one), and the channel then carries the same records
+in clear (seal.py `in_clear`).
+
 `KVFENCE_KEYLOG_FILE` (debugging only, like TLS's SSLKEYLOGFILE): when set, each end appends the
 keys of every connection it seals to that file, so a capture of its traffic can be opened.
 """
@@ -72,9 +77,18 @@ def transcript(label: str, connector_part: bytes, listener_part: bytes) -> bytes
     return label.encode() + b"\0" + connector_part + listener_part
 
 
+def labelled(label: str, sealed: bool) -> str:
+    """The label a handshake proves: an unsealed channel's is its own, so it never pairs with a sealed one."""
+    return label if sealed else f"{label} unsealed"
+
+
 def seal(channel: Channel, secret: DeploymentSecret, label: str, connector_part: bytes, listener_part: bytes,
-         shared: bytes, *, as_connector: bool) -> None:
-    """Seal `channel` with this handshake's keys (and log them, when `KVFENCE_KEYLOG_FILE` says so)."""
+         shared: bytes, *, as_connector: bool, sealed: bool = True) -> None:
+    """Seal `channel` with this handshake's keys (and log them, when `KVFENCE_KEYLOG_FILE` says so);
+    with `sealed=False` (the sealing guard off) frame it in clear instead."""
+    if not sealed:
+        channel.frame_in_clear()
+        return
     to_listener, to_connector = secret.session_keys(label, connector_part, listener_part, shared)
     if path := os.environ.get(KEYLOG_ENV):
         _log_keys(path, label, connector_part, to_listener, to_connector)
@@ -94,10 +108,12 @@ def _log_keys(path: str, label: str, connector_part: bytes, to_listener: bytes, 
 
 
 async def authenticate_as_connector(channel: Channel, secret: DeploymentSecret, label: str, *,
-                                    front_key: FrontKey | None = None) -> None:
+                                    front_key: FrontKey | None = None, sealed: bool = True) -> None:
     """Run the handshake from the connecting side, then seal `channel`; AuthenticationFailed when
     the listener does not prove the secret (the caller closes the connection; nothing was sent but
-    the contribution). `front_key`: on a control connection, the front end's signing key."""
+    the contribution). `front_key`: on a control connection, the front end's signing key.
+    `sealed=False`: the sealing guard is off (see above)."""
+    label = labelled(label, sealed)
     mine, ephemeral = contribution()
     async with channel.send_lock:
         await channel.send_clear(opening(mine))
@@ -111,14 +127,16 @@ async def authenticate_as_connector(channel: Channel, secret: DeploymentSecret, 
         final += front_key.sign_control(transcript(label, mine, theirs))
     async with channel.send_lock:
         await channel.send_clear(final)
-        seal(channel, secret, label, mine, theirs, shared, as_connector=True)
+        seal(channel, secret, label, mine, theirs, shared, as_connector=True, sealed=sealed)
 
 
 async def authenticate_as_listener(channel: Channel, secret: DeploymentSecret, label: str, *,
-                                   front: FrontPublicKey | None = None) -> None:
+                                   front: FrontPublicKey | None = None, sealed: bool = True) -> None:
     """Run the handshake from the listening side, then seal `channel`; AuthenticationFailed when
     the connector does not speak it, does not prove the secret or (given `front`, the front end's
-    public key: a control connection) does not prove the front end's key."""
+    public key: a control connection) does not prove the front end's key. `sealed=False`: the
+    sealing guard is off (see above)."""
+    label = labelled(label, sealed)
     hello = await channel.recv_clear(len(MAGIC) + PART_BYTES)
     if hello[:len(MAGIC)] != MAGIC:
         raise AuthenticationFailed("the peer does not speak the kvfence handshake")
@@ -133,4 +151,4 @@ async def authenticate_as_listener(channel: Channel, secret: DeploymentSecret, l
         raise AuthenticationFailed("the peer holds the deployment secret but did not prove the front end's key")
     shared = shared_secret(ephemeral, theirs)
     async with channel.send_lock:
-        seal(channel, secret, label, theirs, mine, shared, as_connector=False)
+        seal(channel, secret, label, theirs, mine, shared, as_connector=False, sealed=sealed)

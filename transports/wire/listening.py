@@ -40,14 +40,16 @@ class ListeningEndpoint(Endpoint):
     or it is closed. `keepalive_s`: a paired connection on which nothing arrives for this long is
     closed (keepalive.py). `max_connections`: authenticated connections open at once; one more is
     closed after its handshake. `max_unauthenticated`: connections not yet authenticated, counted
-    apart (pending.py): one more closes the oldest of them."""
+    apart (pending.py): one more closes the oldest of them. `sealed=False`: its connections are
+    authenticated but not sealed (handshake.py), only with the sealing guard off (app/guards.py)."""
 
     _messages: ClassVar[Any]
     _max_hello_bytes: ClassVar[int]
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout_s: float = 10.0,
                  keepalive_s: float = 30.0, max_connections: int = 64,
-                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED, **kwargs: Any) -> None:
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED, sealed: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         for what, value in (("handshake_timeout_s", handshake_timeout_s), ("keepalive_s", keepalive_s),
                             ("max_connections", max_connections)):
@@ -57,6 +59,7 @@ class ListeningEndpoint(Endpoint):
         self.handshake_timeout_s = handshake_timeout_s
         self.keepalive_s = keepalive_s
         self.max_connections = max_connections
+        self.sealed = sealed
         self.refused_peers = 0  # connections closed because they did not authenticate
         self._listener: socket.socket | None = None
         self._authenticated: set[Channel] = set()  # counted against `max_connections`
@@ -143,7 +146,7 @@ class ListeningEndpoint(Endpoint):
         """The listening side of the handshake (call inside the handshake timeout). False, logged,
         when the peer did not prove the deployment secret: send it nothing more."""
         try:
-            await authenticate_as_listener(channel, self.secret, self.name)
+            await authenticate_as_listener(channel, self.secret, self.name, sealed=self.sealed)
         except AuthenticationFailed as e:
             self.refused_peers += 1
             log.warning("%s endpoint %s: refused a connection from %s: %s", self.name, self.info.address,
@@ -176,7 +179,7 @@ class ListeningEndpoint(Endpoint):
         try:  # ProtocolError (an undecodable reply) is a ConnectionError too
             with anyio.fail_after(self.handshake_timeout_s):
                 try:
-                    await authenticate_as_connector(channel, self.secret, self.name)
+                    await authenticate_as_connector(channel, self.secret, self.name, sealed=self.sealed)
                 except AuthenticationFailed as e:
                     raise AuthenticationFailed(f"{peer.address}: {e}") from None
                 async with channel.send_lock:

@@ -14,11 +14,16 @@ the handshake holds neither key: it reads nothing and writes nothing the ends ac
 
 Records are at most `RECORD_MAX` bytes of plaintext; a longer message spans several. Nothing here
 does I/O: `Sealer` and `Opener` turn plaintext into records and back (wire/channel.py moves them).
+
+`Sealer.in_clear()` and `Opener.in_clear()` frame the same records without encrypting or checking
+them (a tag of zeros): only for a server whose sealing guard is off (app/guards.py), to measure
+what sealing costs.
 """
 
 from __future__ import annotations
 
 import struct
+from typing import Self
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -45,6 +50,26 @@ def sealed_nbytes(plaintext_nbytes: int) -> int:
     return plaintext_nbytes + records * (HEADER_BYTES + TAG_BYTES)
 
 
+class _InClear:
+    """What stands in for AES-GCM with the sealing guard off: the plaintext as it is, a tag of zeros
+    that nobody checks."""
+
+    _TAG = bytes(TAG_BYTES)
+
+    def encrypt_into(self, nonce: bytes, data: bytes | bytearray | memoryview, associated_data: bytes,
+                     buf: memoryview) -> int:
+        n = len(data)
+        buf[:n] = data
+        buf[n:n + TAG_BYTES] = self._TAG
+        return n + TAG_BYTES
+
+    def decrypt_into(self, nonce: bytes, data: bytes | bytearray | memoryview, associated_data: bytes,
+                     buf: memoryview) -> int:
+        n = len(data) - TAG_BYTES
+        buf[:n] = data[:n]
+        return n
+
+
 class _Direction:
     """One direction of a connection: its key and the number of the next record."""
 
@@ -53,8 +78,15 @@ class _Direction:
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a session key has {KEY_BYTES} bytes, got {len(key)}")
-        self._aead = AESGCM(key)
+        self._aead: AESGCM | _InClear = AESGCM(key)
         self._seq = 0
+
+    @classmethod
+    def in_clear(cls) -> Self:
+        """This direction's records unencrypted and unauthenticated: the sealing guard off (app/guards.py)."""
+        direction = cls.__new__(cls)
+        direction._aead, direction._seq = _InClear(), 0
+        return direction
 
 
 class Sealer(_Direction):
