@@ -1,8 +1,10 @@
 """y = x @ W.T (+ bias) on the CPU for every batch size of a decode step (kvfence_gemm in
 cpu_kernels.c): W laid out once in panels of 16 output rows, each read once per call, in order;
-a 6 x 16 block of y in registers, or where the CPU has AVX-512 (`wide_blocks`) 16 x 16 (under 32
-rows) and 8 x 32 over two panels (from 32 rows on); OpenMP over the panels. One summation order
-over k whatever M and whichever block, so a row's result does not depend on the rows around it.
+a 6 x 16 block of y in registers, or where the CPU has AVX-512 (`wide_blocks`) up to 4 rows over
+four panels at once (independent FMA chains, so one row does not wait on one chain's latency),
+16 x 16 (under 32 rows) and 8 x 32 over two panels (from 32 rows on); OpenMP over the panels. One
+summation order over k whatever M and whichever block, so a row's result does not depend on the
+rows around it.
 
 A panel is float32, or a GGUF block type kept as the file ships it (kernels/cpu_quant.py,
 cpu_quant.c), decoded inside the GEMM to exactly the floats the file dequantizes to: the same

@@ -347,12 +347,105 @@ static void one_panel(const float *x, int64_t m, const struct kvfence_weight *w,
     }
 }
 
+/* ---- a few rows over four panels at once, AVX-512 -----------------------------------------------
+ *
+ * Each output's sum over k is one dependent chain of FMAs (the fixed summation order), so one or
+ * two rows over one panel keep one or two chains in flight and the step waits on the FMA's
+ * latency, not its throughput or the memory. Up to QUAD_ROWS rows go over QUAD panels at once
+ * instead: four to sixteen independent chains, each the same chain as in the blocks above. A
+ * quantized panel is decoded QKC of k at a time into an L1 buffer (four pieces of 4 KB); a
+ * float32 panel is read where it lies.
+ */
+
+#define QUAD 4
+#define QUAD_ROWS 4
+#define QKC 64
+
+#define QDECL(r) __m512 q##r##0 = _mm512_setzero_ps(), q##r##1 = q##r##0, q##r##2 = q##r##0, q##r##3 = q##r##0;
+#define QFMA(r)                                                                          \
+    if (rows > r) {                                                                      \
+        __m512 xv = _mm512_set1_ps(x[r * ldx + kk]);                                     \
+        q##r##0 = _mm512_fmadd_ps(xv, w0, q##r##0);                                      \
+        q##r##1 = _mm512_fmadd_ps(xv, w1, q##r##1);                                      \
+        q##r##2 = _mm512_fmadd_ps(xv, w2, q##r##2);                                      \
+        q##r##3 = _mm512_fmadd_ps(xv, w3, q##r##3);                                      \
+    }
+#define QSTORE(r)                                                                        \
+    if (rows > r) {                                                                      \
+        store_wide(y + r * ldy, q##r##0, NR, bias, accumulate);                          \
+        store_wide(y + r * ldy + NR, q##r##1, NR, bias ? bias + NR : 0, accumulate);     \
+        store_wide(y + r * ldy + 2 * NR, q##r##2, NR, bias ? bias + 2 * NR : 0, accumulate); \
+        store_wide(y + r * ldy + 3 * NR, q##r##3, cols3, bias ? bias + 3 * NR : 0, accumulate); \
+    }
+#define QUAD_ALL(M) M(0) M(1) M(2) M(3)
+
+/* Rows x 64 columns of y from panels p .. p + 3 (the last with cols3 columns). */
+static inline __attribute__((always_inline)) AVX512 void
+quad_block(const float *x, int64_t ldx, const struct kvfence_weight *w, int64_t p, int rows, float *y,
+           int64_t ldy, int64_t cols3, const float *bias, int accumulate, float *pieces) {
+    const int64_t k = w->k;
+    const float *src[QUAD];
+    QUAD_ALL(QDECL)
+    for (int64_t k0 = 0; k0 < k; k0 += QKC) {
+        int64_t kc = k - k0 < QKC ? k - k0 : QKC;
+        for (int g = 0; g < QUAD; g++) {
+            const uint8_t *data = w->data + w->panel_offset[p + g];
+            int format = w->panel_format[p + g];
+            if (format == KVF_F32) {
+                src[g] = (const float *)data + k0 * NR;
+            } else {
+                kvfence_decode_chunks(format, data, k0 / CHUNK, kc / CHUNK, pieces + g * QKC * NR);
+                src[g] = pieces + g * QKC * NR;
+            }
+        }
+        for (int64_t kk = k0, i = 0; kk < k0 + kc; kk++, i += NR) {
+            __m512 w0 = _mm512_loadu_ps(src[0] + i), w1 = _mm512_loadu_ps(src[1] + i);
+            __m512 w2 = _mm512_loadu_ps(src[2] + i), w3 = _mm512_loadu_ps(src[3] + i);
+            QUAD_ALL(QFMA)
+        }
+    }
+    QUAD_ALL(QSTORE)
+}
+
+static AVX512 void quad_block_rows(const float *x, int64_t ldx, const struct kvfence_weight *w, int64_t p, int rows,
+                                   float *y, int64_t ldy, int64_t cols3, const float *bias, int accumulate) {
+    float pieces[QUAD * QKC * NR] __attribute__((aligned(64)));
+    switch (rows) {
+    case 4: quad_block(x, ldx, w, p, 4, y, ldy, cols3, bias, accumulate, pieces); break;
+    case 3: quad_block(x, ldx, w, p, 3, y, ldy, cols3, bias, accumulate, pieces); break;
+    case 2: quad_block(x, ldx, w, p, 2, y, ldy, cols3, bias, accumulate, pieces); break;
+    default: quad_block(x, ldx, w, p, 1, y, ldy, cols3, bias, accumulate, pieces); break;
+    }
+}
+
+/* This thread's share of the panels for a few rows: a contiguous run of them (the team's runs
+ * differ by at most one panel), walked four at a time, the rest one by one; then the team waits
+ * for all (as an `omp for` would). */
+static AVX512 void quad_panels(const float *x, int64_t m, const struct kvfence_weight *w, float *y, int accumulate) {
+    int64_t n = w->n, k = w->k, panels = (n + NR - 1) / NR;
+    int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t lo = panels * me / team, hi = panels * (me + 1) / team, p = lo;
+    for (; p + QUAD <= hi; p += QUAD) {
+        int64_t col = p * NR, cols3 = n - col - 3 * NR < NR ? n - col - 3 * NR : NR;
+        quad_block_rows(x, k, w, p, (int)m, y + col, n, cols3, w->bias ? w->bias + col : 0, accumulate);
+    }
+    for (; p < hi; p++)
+        one_panel(x, m, w, p, y, accumulate);
+    #pragma omp barrier
+}
+
 /* The panels shared out over the calling OpenMP team (an orphaned `omp for`: kvfence_gemm opens
  * a team for it, kvfence_decode_layer calls it inside its own). accumulate: y += x @ W^T.
  * A prefill chunk's rows (PAIR_ROWS or more, with AVX-512) go eight at a time over two panels;
  * a decode step's rows sixteen (or six) at a time over one. */
 static void gemm_panels(const float *x, int64_t m, const struct kvfence_weight *w, float *y, int accumulate) {
     int64_t n = w->n, k = w->k, panels = (n + NR - 1) / NR;
+    if (m <= 0)  /* no rows (an empty step's logits): nothing to read, not even x */
+        return;
+    if (wide && m <= QUAD_ROWS) {
+        quad_panels(x, m, w, y, accumulate);
+        return;
+    }
     if (!wide || m < PAIR_ROWS) {
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++)

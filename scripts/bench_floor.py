@@ -13,6 +13,7 @@ the best of the samples: what this machine allowed at its best during the run, s
 flatters the step.
 
     .venv/bin/python scripts/bench_floor.py [--batches 1,4,16,32] [--steps 30] [--prompt-tokens 128] [--profile-batch 16]
+                                            [--weights native|float32]
 """
 
 from __future__ import annotations
@@ -62,14 +63,22 @@ def gemm_peak(dtype: torch.dtype, n: int = 2048) -> float:
     return 2 * n ** 3 / best_of(lambda: torch.mm(a, b))
 
 
-def step_cost(c: ModelConfig, batch: int, context: int) -> tuple[int, float]:
+def step_cost(c: ModelConfig, weight_bytes: int, batch: int, context: int) -> tuple[int, float]:
     """(bytes read, FLOPs) of one fp32 decode step of `batch` sequences at `context` tokens: every
-    weight once, and every sequence's keys and values in every layer."""
+    weight once (`weight_bytes`: as the model holds them), and every sequence's keys and values in
+    every layer."""
     per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
         + 3 * c.hidden_size * c.intermediate_size
     weights = c.num_layers * per_layer + c.vocab_size * c.hidden_size
     attention = 4 * context * c.num_heads * c.head_dim * c.num_layers
-    return 4 * weights + batch * context * c.kv_bytes_per_token(4), batch * (2 * weights + attention)
+    return weight_bytes + batch * context * c.kv_bytes_per_token(4), batch * (2 * weights + attention)
+
+
+def held_weight_bytes(model: LlamaModel) -> int:
+    """Bytes a decode step reads of the weights: every linear's (and the LM head's) as held."""
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return sum(lin.packed.nbytes if lin.packed is not None else lin.weight.numel() * 4
+               for lin in (*linears, model.lm_head))
 
 
 def _labelled(module, name: str, label: str) -> None:  # type: ignore[no-untyped-def]
@@ -120,13 +129,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--profile-batch", type=int, default=16, help="the batch whose step is profiled")
+    ap.add_argument("--weights", choices=("native", "float32"), default="native",
+                    help="the quantized matrices kept as the file ships them (default), or dequantized")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batches.split(",")]
     bws, peaks = [read_bandwidth()], [gemm_peak(torch.float32)]
     peak16 = gemm_peak(torch.bfloat16)
 
-    checkpoint = load_model_spec(None, kvfence_home(), progress=False)
+    checkpoint = load_model_spec(None, kvfence_home(), progress=False, keep_blocks=args.weights == "native")
     model = LlamaModel(checkpoint, torch.float32)
+    weight_bytes = held_weight_bytes(model)
     pages_per_seq = -(-(args.prompt_tokens + args.steps + 8) // PAGE_SIZE)
     pool = KVPool(model.config, sum(sizes) * pages_per_seq, PAGE_SIZE, torch.float32)
     runner = ModelRunner(model, pool)
@@ -152,12 +164,13 @@ def main() -> None:
         print(f"{torch.get_num_threads()} threads, {len(bws)} samples during the run: read "
               f"{min(bws) / 1e9:.1f}-{bw / 1e9:.1f} GB/s, GEMM fp32 {min(peaks) / 1e9:.0f}-{peak32 / 1e9:.0f} "
               f"GFLOP/s (the floor takes the best); bf16 {peak16 / 1e9:.1f} GFLOP/s")
-        print(f"\ndecode step, fp32, context ≈{args.prompt_tokens + args.steps // 2} tokens, {args.steps} steps each, "
-              "every guard on (owner check), interleaved")
+        print(f"\ndecode step, fp32, --weights {args.weights} ({weight_bytes / 2**20:.1f} MiB read per step), context "
+              f"≈{args.prompt_tokens + args.steps // 2} tokens, {args.steps} steps each, every guard on (owner check), "
+              "interleaved")
         print(f"{'batch':>6}{'ms/step':>10}{'floor ms':>10}{'bound by':>10}{'x floor':>9}{'tok/s':>9}")
         for size, b in batches.items():
             ms = statistics.median(b.step_s[2:]) * 1e3
-            nbytes, flops = step_cost(model.config, size, args.prompt_tokens + args.steps // 2)
+            nbytes, flops = step_cost(model.config, weight_bytes, size, args.prompt_tokens + args.steps // 2)
             read_ms, compute_ms = nbytes / bw * 1e3, flops / peak32 * 1e3
             floor = max(read_ms, compute_ms)
             print(f"{size:>6}{ms:>10.2f}{floor:>10.2f}{'memory' if read_ms >= compute_ms else 'compute':>10}"

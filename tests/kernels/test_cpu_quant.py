@@ -41,6 +41,13 @@ def test_every_row_count_gives_the_float32_bits(kind: str, wide: bool) -> None:
         assert same_bits(native(x), reference(x)), (kind, m)
 
 
+def test_no_rows_read_nothing(wide: bool) -> None:
+    """An empty step (no logits rows) multiplies zero rows: an empty result, no read of x (whose
+    storage an empty tensor may not have)."""
+    for weight in (cpu_gemm.PackedWeight(random_tensor("Q4_1", 64, 256, 1)), cpu_gemm.PackedWeight(torch.randn(64, 256))):
+        assert weight(torch.empty(0, 256)).shape == (0, 64)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
 def test_a_width_that_is_not_whole_pieces(kind: str, wide: bool) -> None:
     k = 288  # one decoded piece of 256 and one of 32
