@@ -12,8 +12,8 @@ while the steps run (a shared host's bandwidth moves by 1.5x within minutes), an
 the best of the samples: what this machine allowed at its best during the run, so `x floor` never
 flatters the step.
 
-    .venv/bin/python scripts/bench_floor.py [--batches 1,4,16,32] [--steps 30] [--prompt-tokens 128] [--profile-batch 16]
-                                            [--weights native|float32]
+    .venv/bin/python scripts/bench_floor.py [--batches 1,4,16,32] [--steps 30] [--prompt-tokens 128]
+                                            [--profile-batch 16] [--weights native|float32]
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def test_every_row_count_gives_the_float32_bits(kind: str, wide: bool) -> None:
 def test_no_rows_read_nothing(wide: bool) -> None:
     """An empty step (no logits rows) multiplies zero rows: an empty result, no read of x (whose
     storage an empty tensor may not have)."""
-    for weight in (cpu_gemm.PackedWeight(random_tensor("Q4_1", 64, 256, 1)), cpu_gemm.PackedWeight(torch.randn(64, 256))):
+    for part in (random_tensor("Q4_1", 64, 256, 1), torch.randn(64, 256)):
+        weight = cpu_gemm.PackedWeight(part)
         assert weight(torch.empty(0, 256)).shape == (0, 64)
 
 
