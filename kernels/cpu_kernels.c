@@ -418,6 +418,112 @@ static AVX512 void quad_block_rows(const float *x, int64_t ldx, const struct kvf
     }
 }
 
+/* The same blocks with the four panels' weights decoded in registers, pair of k by pair of k,
+ * straight into the FMAs (no round trip through a buffer): for four panels of one of the common
+ * block types. Each value is computed by the operations cpu_quant.c's decoders use (there in
+ * 8-lane halves, here in 16 lanes), so the bits are theirs. */
+
+static inline AVX512 __m512 z_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline AVX512 __m512 z_u8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Chunk c of a panel: its per-row scale a and offset b, and where its values are. */
+static inline __attribute__((always_inline)) AVX512 const uint8_t *
+z_chunk(int format, const uint8_t *panel, int64_t c, __m512 *a, __m512 *b) {
+    switch (format) {
+    case KVF_Q4_0: *a = z_f16(panel + c * 288); return panel + c * 288 + 32;
+    case KVF_Q4_1: *a = z_f16(panel + c * 320); *b = z_f16(panel + c * 320 + 32); return panel + c * 320 + 64;
+    case KVF_Q8_0: *a = z_f16(panel + c * 544); return panel + c * 544 + 32;
+    default: {  /* KVF_Q4_K: chunk j of its super-block */
+        const uint8_t *s = panel + c / 8 * 2368;
+        int64_t j = c % 8;
+        *a = _mm512_mul_ps(z_f16(s), z_u8(s + 64 + 16 * j));
+        *b = _mm512_mul_ps(z_f16(s + 32), z_u8(s + 192 + 16 * j));
+        return s + 320 + 256 * j;
+    }
+    }
+}
+
+/* The values of pair i (k = 2i, 2i + 1) of a chunk whose values are at q. */
+static inline __attribute__((always_inline)) AVX512 void
+z_pair(int format, const uint8_t *q, int i, __m512 a, __m512 b, __m512 *w0, __m512 *w1) {
+    if (format == KVF_Q8_0) {
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * i)))), a);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * i + 16)))),
+                            a);
+        return;
+    }
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * i)));
+    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+    switch (format) {
+    case KVF_Q4_0:
+        *w0 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, _mm512_set1_epi32(8))));
+        *w1 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, _mm512_set1_epi32(8))));
+        break;
+    case KVF_Q4_1:
+        *w0 = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(lo), b);
+        *w1 = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(hi), b);
+        break;
+    default:  /* KVF_Q4_K */
+        *w0 = _mm512_fmsub_ps(a, _mm512_cvtepi32_ps(lo), b);
+        *w1 = _mm512_fmsub_ps(a, _mm512_cvtepi32_ps(hi), b);
+        break;
+    }
+}
+
+static inline __attribute__((always_inline)) AVX512 void
+quad_block_z(int format, const float *x, int64_t ldx, const struct kvfence_weight *w, int64_t p, int rows,
+             float *y, int64_t ldy, int64_t cols3, const float *bias, int accumulate) {
+    const uint8_t *p0 = w->data + w->panel_offset[p], *p1 = w->data + w->panel_offset[p + 1];
+    const uint8_t *p2 = w->data + w->panel_offset[p + 2], *p3 = w->data + w->panel_offset[p + 3];
+    QUAD_ALL(QDECL)
+    for (int64_t c = 0; c < w->k / CHUNK; c++) {
+        __m512 a0, a1, a2, a3, b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+        const uint8_t *q0 = z_chunk(format, p0, c, &a0, &b0), *q1 = z_chunk(format, p1, c, &a1, &b1);
+        const uint8_t *q2 = z_chunk(format, p2, c, &a2, &b2), *q3 = z_chunk(format, p3, c, &a3, &b3);
+        for (int i = 0; i < CHUNK / 2; i++) {
+            __m512 w0, w1, w2, w3, n0, n1, n2, n3;
+            z_pair(format, q0, i, a0, b0, &w0, &n0);
+            z_pair(format, q1, i, a1, b1, &w1, &n1);
+            z_pair(format, q2, i, a2, b2, &w2, &n2);
+            z_pair(format, q3, i, a3, b3, &w3, &n3);
+            int64_t kk = c * CHUNK + 2 * i;
+            QUAD_ALL(QFMA)
+            kk++;
+            w0 = n0, w1 = n1, w2 = n2, w3 = n3;
+            QUAD_ALL(QFMA)
+        }
+    }
+    QUAD_ALL(QSTORE)
+}
+
+#define QZ_ROWS(F)                                                                                      \
+    switch (rows) {                                                                                     \
+    case 4: quad_block_z(F, x, ldx, w, p, 4, y, ldy, cols3, bias, accumulate); break;                   \
+    case 3: quad_block_z(F, x, ldx, w, p, 3, y, ldy, cols3, bias, accumulate); break;                   \
+    case 2: quad_block_z(F, x, ldx, w, p, 2, y, ldy, cols3, bias, accumulate); break;                   \
+    default: quad_block_z(F, x, ldx, w, p, 1, y, ldy, cols3, bias, accumulate); break;                  \
+    }
+
+/* Whether quad_block_z_rows takes panels p .. p + 3: all of one of its block types. */
+static int quad_in_registers(const struct kvfence_weight *w, int64_t p) {
+    int format = w->panel_format[p];
+    if (format != KVF_Q4_0 && format != KVF_Q4_1 && format != KVF_Q8_0 && format != KVF_Q4_K)
+        return 0;
+    return w->panel_format[p + 1] == format && w->panel_format[p + 2] == format && w->panel_format[p + 3] == format;
+}
+
+static AVX512 void quad_block_z_rows(const float *x, int64_t ldx, const struct kvfence_weight *w, int64_t p, int rows,
+                                     float *y, int64_t ldy, int64_t cols3, const float *bias, int accumulate) {
+    switch (w->panel_format[p]) {
+    case KVF_Q4_0: QZ_ROWS(KVF_Q4_0) break;
+    case KVF_Q4_1: QZ_ROWS(KVF_Q4_1) break;
+    case KVF_Q8_0: QZ_ROWS(KVF_Q8_0) break;
+    default: QZ_ROWS(KVF_Q4_K) break;
+    }
+}
+
 /* This thread's share of the panels for a few rows: a contiguous run of them (the team's runs
  * differ by at most one panel), walked four at a time, the rest one by one; then the team waits
  * for all (as an `omp for` would). */
@@ -427,7 +533,10 @@ static AVX512 void quad_panels(const float *x, int64_t m, const struct kvfence_w
     int64_t lo = panels * me / team, hi = panels * (me + 1) / team, p = lo;
     for (; p + QUAD <= hi; p += QUAD) {
         int64_t col = p * NR, cols3 = n - col - 3 * NR < NR ? n - col - 3 * NR : NR;
-        quad_block_rows(x, k, w, p, (int)m, y + col, n, cols3, w->bias ? w->bias + col : 0, accumulate);
+        if (quad_in_registers(w, p))
+            quad_block_z_rows(x, k, w, p, (int)m, y + col, n, cols3, w->bias ? w->bias + col : 0, accumulate);
+        else
+            quad_block_rows(x, k, w, p, (int)m, y + col, n, cols3, w->bias ? w->bias + col : 0, accumulate);
     }
     for (; p < hi; p++)
         one_panel(x, m, w, p, y, accumulate);

@@ -27,11 +27,12 @@ def wide(request: pytest.FixtureRequest):  # noqa: ANN201
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_row_count_gives_the_float32_bits(kind: str, wide: bool) -> None:
-    """n = 40 (a part-filled last panel), k = 768 (three decoded pieces of 256); rows 1-70 cover
-    the one-pass blocks, the decoded panel under the six- or sixteen-row blocks, and the two-panel
-    blocks from 32 rows on."""
+    """n = 136 (nine panels, the last part-filled: each of two threads walks four at once and then
+    one alone), k = 768 (three decoded pieces of 256); rows 1-70 cover the four-panel blocks (in
+    registers or through a buffer), the one-pass blocks, the decoded panel under the six- or
+    sixteen-row blocks, and the two-panel blocks from 32 rows on."""
     k = 768
-    tensor = random_tensor(kind, 40, k, seed=len(kind) + k)
+    tensor = random_tensor(kind, 136, k, seed=len(kind) + k)
     dense = tensor.dequantize()
     native, reference = cpu_gemm.PackedWeight(tensor), cpu_gemm.PackedWeight(dense)
     assert native.kinds == [kind] and native.nbytes < reference.nbytes / 3

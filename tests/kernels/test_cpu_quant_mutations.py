@@ -30,6 +30,10 @@ MUTATIONS = {
     "Q6_K high bits of the other k": ("cpu_quant.c", "BITS2x16(bits, 3)", "BITS2x16(bits, 2)", "Q6_K"),
     "a decoded panel's last chunk left out": ("cpu_kernels.c", "data, 0, w->k / CHUNK, into)",
                                               "data, 0, w->k / CHUNK - 1, into)", "Q4_1"),
+    "Q4_1 in registers: the second k decoded from the first": (
+        "cpu_kernels.c", "*w1 = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(hi), b);",
+        "*w1 = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(lo), b);", "Q4_1"),
+    "Q8_0 in registers: pairs a row apart": ("cpu_kernels.c", "(q + 32 * i + 16)", "(q + 32 * i + 8)", "Q8_0"),
 }
 KERNELS = Path(cpu_kernels.__file__).parent
 
@@ -51,7 +55,7 @@ def _build(root: Path, name: str, mutation: tuple[str, str, str] | None) -> ctyp
 def _differs(lib: ctypes.CDLL, kind: str) -> bool:
     """Whether the GEMM over `kind` panels gives other bits than float32, at any row count 1-70,
     with either block family."""
-    tensor = random_tensor(kind, 40, 512, seed=9)
+    tensor = random_tensor(kind, 136, 512, seed=9)  # nine panels: four at once, then one alone, per thread
     native = cpu_gemm.PackedWeight(tensor, lib=lib)
     reference = cpu_gemm.PackedWeight(tensor.dequantize(), lib=lib)
     g = torch.Generator().manual_seed(4)
