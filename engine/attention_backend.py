@@ -70,14 +70,16 @@ class CpuBackend(TorchBackend):
         self._last: tuple[AttentionBatch, Any, Any] | None = None
 
     def checked(self, batch: AttentionBatch, keys: torch.Tensor) -> tuple[Any, Any]:
-        """(StoreSlots, DecodeTables) of `batch`, checked against this pool once per step."""
+        """(StoreSlots, DecodeTables) of `batch`, checked against this pool once per step: a table
+        row per sequence, and every token row (decode tokens first, then each chunk's tokens)
+        reading its sequence's row up to its own position."""
         last = self._last
         if last is not None and last[0] is batch:
             return last[1], last[2]
         num_pages, page_size = keys.shape[0], keys.shape[2]
         slots = self._kernel.StoreSlots.checked(batch.slot_pages, batch.slot_offsets, num_pages, page_size)
-        tables = self._kernel.DecodeTables.checked(batch.decode_page_table, batch.decode_kv_lens, num_pages,
-                                                   page_size)
+        table, kv_lens, rows = row_tables(batch)
+        tables = self._kernel.DecodeTables.checked(table, kv_lens, num_pages, page_size, rows)
         self._last = (batch, slots, tables)
         return slots, tables
 
@@ -89,14 +91,28 @@ class CpuBackend(TorchBackend):
 
     def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         batch: AttentionBatch) -> torch.Tensor:
-        nd = batch.num_decode
-        if not nd or not self._kernel.usable(q, keys):
+        if not self._kernel.usable(q, keys):
             return attention.paged_attention(q, keys, values, batch)
-        out = torch.empty_like(q)
-        self._kernel.decode_attention(q[:nd], keys, values, self.checked(batch, keys)[1],
-                                      1.0 / math.sqrt(q.shape[2]), out=out[:nd])
-        attention.prefill_attention(q, keys, values, batch, out)
-        return out
+        return self._kernel.decode_attention(q, keys, values, self.checked(batch, keys)[1],
+                                             1.0 / math.sqrt(q.shape[2]))
+
+
+def row_tables(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(page_table [S, max_pages], kv_lens [T], rows [T]) of a step for the CPU kernels: the
+    decode sequences' table rows, then one per prefill chunk (its sequence's pages); token row t
+    reads table row rows[t] up to kv_lens[t] keys (a chunk's token: its own position + 1)."""
+    nd, spans = batch.num_decode, batch.prefills
+    if not spans:
+        return batch.decode_page_table, batch.decode_kv_lens, torch.arange(nd, dtype=torch.int64)
+    width = max([batch.decode_page_table.shape[1] if nd else 1, *(span.page_table.shape[0] for span in spans)])
+    table = torch.zeros(nd + len(spans), width, dtype=torch.int64)
+    table[:nd, :batch.decode_page_table.shape[1]] = batch.decode_page_table
+    lens, rows = [batch.decode_kv_lens], [torch.arange(nd, dtype=torch.int64)]
+    for i, span in enumerate(spans):
+        table[nd + i, :span.page_table.shape[0]] = span.page_table
+        lens.append(torch.arange(span.context_tokens + 1, span.context_tokens + span.num_tokens + 1))
+        rows.append(torch.full((span.num_tokens,), nd + i, dtype=torch.int64))
+    return table, torch.cat(lens), torch.cat(rows)
 
 
 @dataclasses.dataclass(frozen=True)

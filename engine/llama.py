@@ -99,20 +99,20 @@ class LlamaModel:
         self.fused_elementwise = cpu_kernels and all(
             cpu_elementwise.usable(torch.empty(0, n, dtype=dtype, device=self.device))
             for n in (c.hidden_size, c.intermediate_size))
-        self.decode_layers = self._decode_layers() if self.fused_elementwise else None
+        self.fused_layers = self._fused_layers() if self.fused_elementwise else None
 
-    def _decode_layers(self) -> cpu_layer.DecodeLayers | None:
-        """Every layer of a decode-only step in one C call each (kernels/cpu_layer.py), where the
+    def _fused_layers(self) -> cpu_layer.FusedLayers | None:
+        """Every layer of a step in one C call each (kernels/cpu_layer.py), where the
         CPU backend attends and every linear is packed for it; None elsewhere."""
         c = self.config
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if (self.attention.name != "cpu" or any(lin.packed is None for lin in linears)
-                or not cpu_layer.DecodeLayers.usable(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                or not cpu_layer.FusedLayers.usable(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                                      c.intermediate_size)):
             return None
         params = [cpu_layer.LayerParams(layer.attn_norm, layer.qkv.packed, layer.o.packed, layer.mlp_norm,
                                         layer.gate_up.packed, layer.down.packed) for layer in self.layers]
-        return cpu_layer.DecodeLayers(params, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
+        return cpu_layer.FusedLayers(params, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
                                       head_dim=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -131,16 +131,16 @@ class LlamaModel:
                 pool: KVPool, logits_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] int64; logits_rows: [N] rows to score -> logits [N, vocab] float32.
 
-        Writes every token's K/V into the pages `batch` names, then attends through them. A
-        decode-only step on the CPU kernels runs each layer as one C call (kernels/cpu_layer.py),
-        which computes exactly what the per-op loop below computes.
+        Writes every token's K/V into the pages `batch` names, then attends through them. On the
+        CPU kernels each layer is one C call (kernels/cpu_layer.py), which computes exactly what
+        the per-op loop below computes on them.
         """
         c = self.config
         num_tokens = input_ids.shape[0]
         x = self.embed[input_ids] if self.embed_rows is None else self.embed_rows.rows(input_ids)  # [T, hidden]
-        if self.decode_layers is not None and batch.num_decode == num_tokens:
+        if self.fused_layers is not None:
             slots, tables = self.attention.checked(batch, pool.keys(0))  # type: ignore[attr-defined]
-            x = self.decode_layers.run(x, self.rope.cos[positions], self.rope.sin[positions], pool.data, slots,
+            x = self.fused_layers.run(x, self.rope.cos[positions], self.rope.sin[positions], pool.data, slots,
                                        tables)
             return self.lm_head(self._norm(x[logits_rows], self.final_norm)).float()
         cos, sin = self.rope.tables(positions)

@@ -1,11 +1,13 @@
-"""Decode attention on the CPU over the pool's pages in place (kvfence_decode_attention in
-cpu_kernels.c): one query token per sequence, each (sequence, KV head) on one thread, its group of
-query heads scored against each key row as it is read, an exact-max softmax, then the weighted
-sum of the value rows. No page is copied, and only the pages a sequence's table names are read.
+"""Attention on the CPU over the pool's pages in place (kvfence_decode_attention in cpu_kernels.c):
+each query row is one token (a decode sequence's, or one of a prefill chunk's, which reads its
+sequence's table up to its own position), each (row, KV head) on one thread, its group of query
+heads scored against each key row as it is read, an exact-max softmax, then the weighted sum of
+the value rows. No page is copied, and only the pages a row's table names are read.
 
-It computes what engine/attention.py's torch decode path computes (tests/kernels/
-test_cpu_attention.py holds them to each other); the engine uses it for float32 pools on CPUs
-where the kernels build.
+It computes what engine/attention.py's torch path computes (tests/kernels/test_cpu_attention.py
+holds them to each other); the engine uses it for float32 pools on CPUs where the kernels build.
+A row's result depends only on its query and its keys, so a token gets the same bits whether it
+was prefilled in a chunk or decoded alone.
 """
 
 from __future__ import annotations
@@ -29,32 +31,42 @@ def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTables:
-    """What each sequence reads, checked once per step (every layer reuses it): page_table
-    [B, max_pages] int64 (pages past a sequence's keys are never read), kv_lens [B] int64."""
+    """What each query row reads, checked once per step (every layer reuses it): page_table
+    [S, max_pages] int64 (pages past a row's keys are never read), rows [B] int64 (the table row
+    each query row reads), kv_lens [B] int64 (its keys, its own included)."""
 
     page_table: torch.Tensor
     kv_lens: torch.Tensor
     longest: int
+    rows: torch.Tensor
 
     @classmethod
-    def checked(cls, page_table: torch.Tensor, kv_lens: torch.Tensor, num_pages: int,
-                page_size: int) -> DecodeTables:
-        """ValueError unless every length is in 1..max_pages * page_size and every page a length
-        reaches is in 0..num_pages - 1."""
-        if page_table.dtype != torch.int64 or kv_lens.dtype != torch.int64 or page_table.dim() != 2:
-            raise ValueError(f"decode tables must be int64, [B, max_pages] and [B], got {page_table.dtype} "
-                             f"{tuple(page_table.shape)} and {kv_lens.dtype} {tuple(kv_lens.shape)}")
-        table, lens = page_table.contiguous(), kv_lens.contiguous()
+    def checked(cls, page_table: torch.Tensor, kv_lens: torch.Tensor, num_pages: int, page_size: int,
+                rows: torch.Tensor | None = None) -> DecodeTables:
+        """ValueError unless every row names a table row, every length is in 1..max_pages *
+        page_size and every page a length reaches is in 0..num_pages - 1. `rows` None: row b reads
+        table row b (one row per sequence)."""
+        if rows is None:
+            rows = torch.arange(page_table.shape[0] if page_table.dim() == 2 else 0, dtype=torch.int64)
+        if (page_table.dtype != torch.int64 or kv_lens.dtype != torch.int64 or rows.dtype != torch.int64
+                or page_table.dim() != 2 or rows.shape != kv_lens.shape):
+            raise ValueError(f"decode tables must be int64, [S, max_pages], [B] and [B], got {page_table.dtype} "
+                             f"{tuple(page_table.shape)}, rows {rows.dtype} {tuple(rows.shape)} and kv_lens "
+                             f"{kv_lens.dtype} {tuple(kv_lens.shape)}")
+        table, lens, rows = page_table.contiguous(), kv_lens.contiguous(), rows.contiguous()
         max_pages = table.shape[1]
         longest = int(lens.max()) if lens.numel() else 0
         if lens.numel():
+            if int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]:
+                raise ValueError(f"rows must name table rows 0..{table.shape[0] - 1}")
             if int(lens.min()) < 1 or longest > max_pages * page_size:
                 raise ValueError(f"kv_lens must be in 1..{max_pages * page_size}, got {lens.tolist()}")
-            reached = torch.arange(max_pages)[None, :] * page_size < lens[:, None]
+            reach = torch.zeros(table.shape[0], dtype=torch.int64).scatter_reduce_(0, rows, lens, "amax")
+            reached = torch.arange(max_pages)[None, :] * page_size < reach[:, None]
             pages = table[reached]
             if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
                 raise ValueError(f"the page table names pages outside 0..{num_pages - 1}")
-        return cls(table, lens, longest)
+        return cls(table, lens, longest, rows)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: DecodeTables,
@@ -68,9 +80,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         raise ValueError(f"decode_attention wants float32 CPU q and same-layout K/V pages with head_dim % 8 == 0, "
                          f"got q {q.dtype} {tuple(q.shape)}, keys {keys.dtype} {tuple(keys.shape)} "
                          f"strides {keys.stride()}, values strides {values.stride()}")
-    if heads % kv_heads or tables.page_table.shape[0] != b:
-        raise ValueError(f"decode_attention wants heads a multiple of kv_heads and one table row per query, got "
-                         f"{heads} heads, {kv_heads} KV heads, {tables.page_table.shape[0]} rows for {b} queries")
+    if heads % kv_heads or tables.rows.shape[0] != b:
+        raise ValueError(f"decode_attention wants heads a multiple of kv_heads and one row per query, got "
+                         f"{heads} heads, {kv_heads} KV heads, {tables.rows.shape[0]} rows for {b} queries")
     q = q.contiguous()
     out = torch.empty_like(q) if out is None else out
     if not out.is_contiguous() or out.shape != q.shape:
@@ -80,8 +92,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     cpu_kernels.library().kvfence_decode_attention(
         q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.page_table.data_ptr(),
-        tables.page_table.shape[1], tables.kv_lens.data_ptr(), b, kv_heads, heads // kv_heads, d, page_size,
-        keys.stride(0), keys.stride(1), scale, scratch.data_ptr(), per_thread, threads)
+        tables.rows.data_ptr(), tables.page_table.shape[1], tables.kv_lens.data_ptr(), b, kv_heads, heads // kv_heads,
+        d, page_size, keys.stride(0), keys.stride(1), scale, scratch.data_ptr(), per_thread, threads)
     return out
 
 

@@ -2,10 +2,11 @@
  * builds this file and loads it):
  *   kvfence_pack / kvfence_gemm       y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W in panels of float32
  *                                     or of a GGUF block type kept as it ships (cpu_quant.c)
- *   kvfence_decode_attention          one query token per sequence over its KV pages, in place
+ *   kvfence_decode_attention          each query row (a decode token, or a prefill chunk's token up to
+ *                                     its position) over its sequence's KV pages, in place
  *   kvfence_store_kv                  a step's new K/V rows into their pages
  *   kvfence_rms_norm, kvfence_silu_mul  the element-wise steps of a layer, one call each
- *   kvfence_decode_layer              all of the above for one layer of a decode step, one call
+ *   kvfence_layer              all of the above for one layer of a step, one call
  *
  * GEMM. W is packed once (kvfence_pack) into panels of 16 output columns: panel p holds
  * W[16p .. 16p+15, k] for k = 0..K-1 as K rows of 16 floats, the last panel zero-padded. One panel
@@ -544,7 +545,7 @@ static AVX512 void quad_panels(const float *x, int64_t m, const struct kvfence_w
 }
 
 /* The panels shared out over the calling OpenMP team (an orphaned `omp for`: kvfence_gemm opens
- * a team for it, kvfence_decode_layer calls it inside its own). accumulate: y += x @ W^T.
+ * a team for it, kvfence_layer calls it inside its own). accumulate: y += x @ W^T.
  * A prefill chunk's rows (PAIR_ROWS or more, with AVX-512) go eight at a time over two panels;
  * a decode step's rows sixteen (or six) at a time over one. */
 static void gemm_panels(const float *x, int64_t m, const struct kvfence_weight *w, float *y, int accumulate) {
@@ -591,8 +592,10 @@ void kvfence_gemm(const float *x, int64_t m, const struct kvfence_weight *w, flo
 /* ---- decode attention ------------------------------------------------------------------------
  *
  * q: [B, H, D] (H = kv_heads * group query heads; D a multiple of 8), out: [B, H, D].
- * keys/values: one layer of the pool; the key of token t of sequence b, KV head h, is at
- *   keys + table[b, t / page_size] * page_stride + h * head_stride + (t % page_size) * D
+ * keys/values: one layer of the pool; query row b reads the table row rows[b] (several rows may
+ * share one: the tokens of a prefill chunk each read their sequence's table, up to their own
+ * position), and the key of token t of that table, KV head h, is at
+ *   keys + table[rows[b], t / page_size] * page_stride + h * head_stride + (t % page_size) * D
  * (values alike), for t < kv_lens[b]. Nothing else of the pool is read: the page table names the
  * pages (the runner's owner check has admitted every one of them before the step).
  *
@@ -746,7 +749,8 @@ static void attend_one(const float *q, float *out, const float *keys, const floa
 
 /* scratch: threads * group * (max(kv_lens) + 8) floats. */
 void kvfence_decode_attention(const float *q, float *out, const float *keys, const float *values,
-                              const int64_t *table, int64_t max_pages, const int64_t *kv_lens, int64_t batch,
+                              const int64_t *table, const int64_t *rows, int64_t max_pages,
+                              const int64_t *kv_lens, int64_t batch,
                               int64_t kv_heads, int64_t group, int64_t d, int64_t page_size,
                               int64_t page_stride, int64_t head_stride, float scale, float *scratch,
                               int64_t scratch_per_thread, int threads) {
@@ -757,7 +761,7 @@ void kvfence_decode_attention(const float *q, float *out, const float *keys, con
         for (int64_t job = 0; job < batch * kv_heads; job++) {
             int64_t b = job / kv_heads, h = job % kv_heads;
             int64_t row = (b * kv_heads + h) * group * d;
-            attend_one(q + row, out + row, keys, values, table + b * max_pages, kv_lens[b], page_size,
+            attend_one(q + row, out + row, keys, values, table + rows[b] * max_pages, kv_lens[b], page_size,
                        page_stride, h * head_stride, (int)group, d, scale, scores);
         }
     }
@@ -820,9 +824,11 @@ void kvfence_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
 
 /* ---- one decoder layer of a decode step ------------------------------------------------------
  *
- * kvfence_decode_layer runs a whole Llama layer for B sequences that each feed one token, in place
- * on the residual stream x [B, hidden], inside one OpenMP team (a barrier between phases instead
- * of a thread fork and a Python dispatch per op):
+ * kvfence_layer runs a whole Llama layer for B token rows, in place on the residual stream
+ * x [B, hidden], inside one OpenMP team (a barrier between phases instead of a thread fork and a
+ * Python dispatch per op). A row is a decode sequence's one token or one token of a prefill chunk;
+ * every row's K/V is stored before any row attends, and a row attends over its table's keys up to
+ * its own position, so a chunk's tokens are causal:
  *
  *   h = rms_norm(x, attn_norm); qkv = h @ Wqkv^T (+ bias); rotate q and k (rope); store k, v into
  *   their slots; attn = attention(q, the pages of `table`); x += attn @ Wo^T;
@@ -841,12 +847,13 @@ struct kvfence_layer_weights {
     const struct kvfence_weight *down;    /* [hidden, inter] */
 };
 
-struct kvfence_decode_step {
+struct kvfence_step {
     int64_t batch, hidden, heads, kv_heads, d, inter;
     float eps, scale;
     const float *cos, *sin;                   /* [B, d]: (cos, cos) and (-sin, sin) per position */
     const int64_t *slot_pages, *slot_offsets; /* [B] where each new K/V row goes */
-    const int64_t *table;                     /* [B, max_pages] */
+    const int64_t *table;                     /* [S, max_pages]: row rows[b] is what row b reads */
+    const int64_t *rows;                      /* [B] */
     int64_t max_pages;
     const int64_t *kv_lens;                   /* [B] keys incl. the new one */
     int64_t page_size, page_stride, head_stride;
@@ -869,7 +876,7 @@ static inline void rope_head(float *x, const float *cos, const float *sin, int64
     }
 }
 
-void kvfence_decode_layer(const struct kvfence_layer_weights *w, const struct kvfence_decode_step *s,
+void kvfence_layer(const struct kvfence_layer_weights *w, const struct kvfence_step *s,
                           float *x, float *keys, float *values) {
     const int64_t b_n = s->batch, hidden = s->hidden, d = s->d, group = s->heads / s->kv_heads;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d, qkv_n = q_size + 2 * kv_size;
@@ -895,7 +902,7 @@ void kvfence_decode_layer(const struct kvfence_layer_weights *w, const struct kv
         for (int64_t job = 0; job < b_n * s->kv_heads; job++) {
             int64_t b = job / s->kv_heads, h = job % s->kv_heads;
             attend_one(s->qkv + b * qkv_n + h * group * d, s->attn + b * q_size + h * group * d, keys, values,
-                       s->table + b * s->max_pages, s->kv_lens[b], s->page_size, s->page_stride,
+                       s->table + s->rows[b] * s->max_pages, s->kv_lens[b], s->page_size, s->page_stride,
                        h * s->head_stride, (int)group, d, s->scale, scores);
         }
         gemm_panels(s->attn, b_n, w->o, x, 1);

@@ -112,8 +112,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kvfence_weight_rows.restype = None
     lib.kvfence_panel_bytes.argtypes = [ctypes.c_int, i64]
     lib.kvfence_panel_bytes.restype = i64
-    lib.kvfence_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
-                                             ctypes.c_float, ptr, i64, ctypes.c_int]
+    lib.kvfence_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
+                                             i64, ctypes.c_float, ptr, i64, ctypes.c_int]
     lib.kvfence_decode_attention.restype = None
     lib.kvfence_store_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.kvfence_store_kv.restype = None

@@ -1,10 +1,12 @@
-"""Every decoder layer of a decode step as one C call (kvfence_decode_layer in cpu_kernels.c).
+"""Every decoder layer of a step as one C call (kvfence_layer in cpu_kernels.c).
 
 A decode step feeds one token per sequence, so at small batches each of a layer's dozen ops is
 microseconds of work behind tens of microseconds of dispatch (Python, torch, ctypes, an OpenMP
-fork). Here one call per layer runs them all inside one OpenMP team: the RMSNorm, the QKV GEMM,
-rope, the K/V store, decode attention over the pages in place, the output projection added to the
-residual, the second RMSNorm, gate/up, SiLU·up and the down projection added to the residual.
+fork); a prefill chunk's element-wise ops, gathers and copies cost as much again as its GEMMs.
+Here one call per layer runs them all inside one OpenMP team: the RMSNorm, the QKV GEMM, rope, the
+K/V store, attention over the pages in place (each row, a decode token or a chunk's token, up to
+its own position), the output projection added to the residual, the second RMSNorm, gate/up,
+SiLU·up and the down projection added to the residual.
 
 Each phase is the same C code as the one-call-per-op path (kernels/cpu_gemm.py,
 cpu_attention.py, cpu_elementwise.py; rope as engine/rope.py computes it, uncontracted), so the
@@ -32,19 +34,20 @@ class _LayerWeights(ctypes.Structure):
                 ("down", _ptr)]
 
 
-class _DecodeStep(ctypes.Structure):
+class _Step(ctypes.Structure):
     _fields_ = [("batch", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("d", _i64),
                 ("inter", _i64), ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr),
-                ("slot_pages", _ptr), ("slot_offsets", _ptr), ("table", _ptr), ("max_pages", _i64),
+                ("slot_pages", _ptr), ("slot_offsets", _ptr), ("table", _ptr), ("rows", _ptr),
+                ("max_pages", _i64),
                 ("kv_lens", _ptr), ("page_size", _i64), ("page_stride", _i64), ("head_stride", _i64),
                 ("h", _ptr), ("qkv", _ptr), ("attn", _ptr), ("gu", _ptr), ("act", _ptr), ("scores", _ptr),
                 ("scores_per_thread", _i64), ("threads", ctypes.c_int)]
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    fn = lib.kvfence_decode_layer
+    fn = lib.kvfence_layer
     if fn.argtypes is None:
-        fn.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.POINTER(_DecodeStep), _ptr, _ptr, _ptr]
+        fn.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.POINTER(_Step), _ptr, _ptr, _ptr]
         fn.restype = None
     return lib
 
@@ -60,9 +63,9 @@ class LayerParams:
                                     *(ctypes.addressof(lin.struct) for lin in (qkv, o, gate_up, down)))
 
 
-class DecodeLayers:
-    """A model's layers for decode-only steps on the CPU: `run` takes the embedded tokens and
-    returns the last layer's output (the final norm and the LM head are the caller's)."""
+class FusedLayers:
+    """A model's layers for the steps of a CPU worker: `run` takes the embedded tokens and returns
+    the last layer's output (the final norm and the LM head are the caller's)."""
 
     def __init__(self, layers: Sequence[LayerParams], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
                  intermediate: int, eps: float) -> None:
@@ -79,7 +82,7 @@ class DecodeLayers:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_data: torch.Tensor,
             slots: StoreSlots, tables: DecodeTables) -> torch.Tensor:
-        """x: [B, hidden] float32 (one token per sequence, updated in place and returned);
+        """x: [B, hidden] float32 (the step's token rows, updated in place and returned);
         cos, sin: [B, head_dim] full-width rope tables of each token's position (engine/rope.py);
         pool_data: the pool's [num_pages, layers, 2, kv_heads, page_size, head_dim] float32 tensor,
         which `slots` and `tables` were checked against."""
@@ -89,9 +92,9 @@ class DecodeLayers:
                 or num_layers != len(self.layers) or kv_heads != self.kv_heads or d != self.d
                 or not pool_data.is_contiguous() or pool_data.dtype != torch.float32
                 or cos.shape != (b, d) or sin.shape != (b, d) or slots.pages.shape[0] != b
-                or tables.page_table.shape[0] != b):
-            raise ValueError(f"decode layers want x [B, {self.hidden}] float32, rope tables [B, {self.d}], one slot "
-                             f"and one table row per sequence, and a contiguous float32 pool of {len(self.layers)} "
+                or tables.rows.shape[0] != b):
+            raise ValueError(f"fused layers want x [B, {self.hidden}] float32, rope tables [B, {self.d}], one slot "
+                             f"and one table row per token row, and a contiguous float32 pool of {len(self.layers)} "
                              f"layers; got x {x.dtype} {tuple(x.shape)}, pool {tuple(pool_data.shape)}")
         cos, sin = cos.contiguous(), sin.contiguous()
         q_size, kv_size = self.heads * d, kv_heads * d
@@ -100,14 +103,15 @@ class DecodeLayers:
         scratch = [torch.empty(b, n, dtype=torch.float32)
                    for n in (self.hidden, q_size + 2 * kv_size, q_size, 2 * self.inter, self.inter)]
         scores = torch.empty(threads * per_thread, dtype=torch.float32)
-        step = _DecodeStep(b, self.hidden, self.heads, kv_heads, d, self.inter, self.eps, 1.0 / math.sqrt(d),
+        step = _Step(b, self.hidden, self.heads, kv_heads, d, self.inter, self.eps, 1.0 / math.sqrt(d),
                            cos.data_ptr(), sin.data_ptr(), slots.pages.data_ptr(), slots.offsets.data_ptr(),
-                           tables.page_table.data_ptr(), tables.page_table.shape[1], tables.kv_lens.data_ptr(),
+                           tables.page_table.data_ptr(), tables.rows.data_ptr(), tables.page_table.shape[1],
+                           tables.kv_lens.data_ptr(),
                            page_size, pool_data.stride(0), pool_data.stride(3),
                            *(t.data_ptr() for t in scratch), scores.data_ptr(), per_thread, threads)
         layer_stride = pool_data.stride(1) * 4  # bytes from one layer's keys to the next
         keys0, values_offset = pool_data.data_ptr(), pool_data.stride(2) * 4
-        x_ptr, step_ref, call = x.data_ptr(), ctypes.byref(step), self._lib.kvfence_decode_layer
+        x_ptr, step_ref, call = x.data_ptr(), ctypes.byref(step), self._lib.kvfence_layer
         for i, layer in enumerate(self.layers):
             keys = keys0 + i * layer_stride
             call(ctypes.byref(layer.struct), step_ref, x_ptr, keys, keys + values_offset)

@@ -96,7 +96,7 @@ def profile(runner: ModelRunner, batch: Batch, rows: int = 16) -> None:
 
     from kvfence.kernels import cpu_attention, cpu_elementwise, cpu_gemm, cpu_layer
 
-    wrapped = [(cpu_layer.DecodeLayers, "run", "kvfence::decode_layers (C, every layer)"),
+    wrapped = [(cpu_layer.FusedLayers, "run", "kvfence::fused_layers (C, every layer)"),
                (cpu_gemm.PackedWeight, "__call__", "kvfence::gemm (C)"),
                (cpu_attention, "decode_attention", "kvfence::decode_attention (C)"),
                (cpu_attention, "store_kv", "kvfence::store_kv (C)"),

@@ -13,8 +13,12 @@ after the handshake), no scrub of freed pages. No flag, setting or variable can 
 Both load while the other loads, then warm up; then, --rounds times, each serves --requests
 streamed chat completions at --concurrency streams (scripts/bench_serve.py's `run_level`), the one
 that goes first alternating every round, every prompt unique (a random tag first, so neither server
-can reuse any KV). Printed per round: tok/s, TTFT p50 and ITL p50 of both and the ratio on/off;
-then the median ratio.
+can reuse any KV). Printed per round: tok/s, TTFT p50, ITL p50 and the server process's CPU time
+per output token (every thread: the guards' work wherever it runs) of both, the tok/s ratio on/off
+and the CPU ratio off/on; then the median of each. At 16 streams both cores are busy, so the
+output rate is the inverse of the CPU per token, and the CPU ratio measures the same cost with
+less of the round-to-round noise (prefill and decode interleaving differently, the last requests
+of a round running alone).
 
   .venv/bin/python scripts/bench_guards.py                            # 5 rounds of 64 requests at 16 streams
   .venv/bin/python scripts/bench_guards.py --rounds 2 --requests 16   # a smoke run
@@ -114,14 +118,26 @@ def unique_prompts() -> None:
     bench_serve.one_request = one_request
 
 
-def measure(bench: argparse.Namespace, concurrency: int) -> dict:
-    return asyncio.run(bench_serve.run_level(bench, concurrency, None))
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, every thread of it, so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(bench: argparse.Namespace, concurrency: int, pid: int | None = None) -> dict:
+    """bench_serve's level; with `pid`, also the server's CPU seconds per output token over it."""
+    before = cpu_seconds(pid) if pid is not None else 0.0
+    result = asyncio.run(bench_serve.run_level(bench, concurrency, None))
+    if pid is not None:
+        tokens = result["output_tok_s"] * result["wall_s"]
+        result["cpu_ms_per_token"] = (cpu_seconds(pid) - before) * 1000 / max(tokens, 1)
+    return result
 
 
 def describe(r: dict) -> str:
     errors = f", {r['errors']} errors" if r["errors"] else ""
     return (f"{r['output_tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:6.3f} s  ITL p50 {r['itl_p50'] * 1000:6.1f} ms"
-            f"{errors}")
+            f"  CPU {r['cpu_ms_per_token']:5.2f} ms/token{errors}")
 
 
 def main() -> None:
@@ -152,21 +168,24 @@ def main() -> None:
         print(f"{args.rounds} rounds of {args.requests} chat streams per server at {args.concurrency} in flight, "
               f"≈{args.prompt_tokens} prompt words, {args.output_tokens} tokens each")
         ratios: list[float] = []
+        cpu_ratios: list[float] = []
         speeds: dict[str, list[float]] = {side: [] for side in SIDES}
         for i in range(args.rounds):
             order = SIDES if i % 2 == 0 else SIDES[::-1]  # who goes first alternates
-            results = {side: measure(benches[side], args.concurrency) for side in order}
+            results = {side: measure(benches[side], args.concurrency, servers[side][0].pid) for side in order}
             for side in SIDES:
                 speeds[side].append(results[side]["output_tok_s"])
             ratios.append(results["on"]["output_tok_s"] / results["off"]["output_tok_s"])
+            cpu_ratios.append(results["off"]["cpu_ms_per_token"] / results["on"]["cpu_ms_per_token"])
             print(f"round {i + 1}  guards on: {describe(results['on'])}  |  guards off: {describe(results['off'])}"
-                  f"  |  on/off {ratios[-1]:.3f}", flush=True)
+                  f"  |  on/off {ratios[-1]:.3f}, by CPU {cpu_ratios[-1]:.3f}", flush=True)
     finally:
         for proc, _ in servers.values():
             stop(proc)
     print(f"median over {len(ratios)} rounds: guards on {statistics.median(speeds['on']):.1f} tok/s, guards off "
           f"{statistics.median(speeds['off']):.1f} tok/s; on/off {statistics.median(ratios):.3f} "
-          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)}); by CPU time per token (off/on) "
+          f"{statistics.median(cpu_ratios):.3f} (rounds: {', '.join(f'{r:.3f}' for r in cpu_ratios)})")
 
 
 if __name__ == "__main__":

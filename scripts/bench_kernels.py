@@ -104,7 +104,7 @@ def main() -> None:
     checkpoint = load_model_spec(None, kvfence_home(), progress=False)
     fast = LlamaModel(checkpoint, torch.float32)
     per_op = LlamaModel(checkpoint, torch.float32)
-    per_op.decode_layers = None
+    per_op.fused_layers = None
     slow = LlamaModel(checkpoint, torch.float32, cpu_kernels=False)
     pages_per_seq = -(-(args.prompt_tokens + args.steps * 3 + 8) // PAGE_SIZE)
     pool = KVPool(fast.config, sum(sizes) * pages_per_seq, PAGE_SIZE, torch.float32)

@@ -48,7 +48,7 @@ def test_the_file_s_block_types_are_kept_and_dequantize_to_the_float32_load(nati
         assert torch.equal(kept[name].dequantize(), smollm2.tensors[name]), name  # Q/K un-permuted alike
     model = LlamaModel(native, torch.float32)
     assert model.embed_rows is not None and model.lm_head.packed is model.embed_rows
-    assert model.decode_layers is not None and model.layers[0].gate_up.packed.kinds == ["Q4_1"]
+    assert model.fused_layers is not None and model.layers[0].gate_up.packed.kinds == ["Q4_1"]
     held = {kind: sum(lin.packed.nbytes for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up,
                                                                              layer.down) if lin.packed.kinds == [kind])
             for kind in ("Q4_1", "Q8_0")}

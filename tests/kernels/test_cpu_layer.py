@@ -1,7 +1,9 @@
-"""kernels/cpu_layer.py: a decode step's layers as one C call each compute exactly what the
-one-call-per-op loop computes (logits and every stored K/V row, bit for bit), at batch sizes that
-span several row blocks and page boundaries, with and without Q/K/V biases; they read and write
-only the pages the checked tables and slots name; the model takes them only where they apply."""
+"""kernels/cpu_layer.py: a step's layers as one C call each compute exactly what the
+one-call-per-op loop computes (logits and every stored K/V row, bit for bit), for decode steps at
+batch sizes that span several row blocks and page boundaries and for steps with prefill chunks,
+with and without Q/K/V biases; a token's logits do not depend on whether it was prefilled or
+decoded; they read and write only the pages the checked tables and slots name; the model takes
+them only where they apply."""
 
 from __future__ import annotations
 
@@ -33,12 +35,15 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def prefilled(model: LlamaModel, lengths: list[int], pages_per_seq: int) -> tuple[KVPool, list[list[int]]]:
-    """A pool (its unused pages NaN) holding one prefilled sequence of each length, and their tables."""
+    """A pool (its unused pages NaN) holding one prefilled sequence of each length (0: none yet),
+    and their tables."""
     pool = KVPool(model.config, 2 + len(lengths) * pages_per_seq, PAGE, torch.float32)
     pool.data.fill_(float("nan"))
     g = torch.Generator().manual_seed(len(lengths))
     tables = [list(range(2 + i * pages_per_seq, 2 + (i + 1) * pages_per_seq)) for i in range(len(lengths))]
     for table, n in zip(tables, lengths):
+        if not n:
+            continue
         ids = torch.randint(3, model.config.vocab_size, (n,), generator=g)
         batch = build_attention_batch(PAGE, [], [(table, 0, n)], torch.device("cpu"))
         model.forward(ids, torch.arange(n), batch, pool, torch.tensor([n - 1]))
@@ -58,9 +63,9 @@ def test_one_call_per_layer_equals_the_per_op_loop_bit_for_bit(checkpoint: Check
     the CPU has them (16 rows over a panel, or from 32 rows on 8 over two; the residual projections
     accumulate into y inside the block): the same bits."""
     fused = LlamaModel(checkpoint, torch.float32)
-    assert fused.decode_layers is not None
+    assert fused.fused_layers is not None
     looped = LlamaModel(checkpoint, torch.float32)
-    looped.decode_layers = None  # the same kernels, one call per op
+    looped.fused_layers = None  # the same kernels, one call per op
     pool, tables = prefilled(looped, lengths, pages_per_seq=4)
     twin = KVPool(looped.config, pool.num_pages, PAGE, torch.float32)
     twin.data.copy_(pool.data)
@@ -76,6 +81,56 @@ def test_one_call_per_layer_equals_the_per_op_loop_bit_for_bit(checkpoint: Check
         assert torch.equal(a, b), (a - b).abs().max()
         assert torch.equal(pool.data.nan_to_num(7.0), twin.data.nan_to_num(7.0))
         tokens = a.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("chunks", [[(0, 1)], [(0, 37)], [(16, 5), (0, 70)], [(31, 33), (5, 2), (0, 16)]],
+                         ids=["one-token", "a-prompt", "two", "three-with-context"])
+def test_a_step_with_prefill_chunks_equals_the_per_op_loop_bit_for_bit(checkpoint: Checkpoint,
+                                                                        chunks: list[tuple[int, int]]) -> None:
+    """A step of decode rows and prefill chunks (context tokens already cached, tokens fed): the
+    fused layers give the per-op loop's logits and K/V bit for bit; every chunk token attends
+    causally (the chunk's own later tokens are NaN-free but unread: the logits of every row are
+    compared)."""
+    fused, looped = LlamaModel(checkpoint, torch.float32), LlamaModel(checkpoint, torch.float32)
+    looped.fused_layers = None
+    lengths = [5, 20]
+    pool, tables = prefilled(looped, lengths + [ctx for ctx, _ in chunks], pages_per_seq=7)
+    twin = KVPool(looped.config, pool.num_pages, PAGE, torch.float32)
+    twin.data.copy_(pool.data)
+    g = torch.Generator().manual_seed(len(chunks))
+    decode_rows = [(t, n + 1) for t, n in zip(tables, lengths)]
+    prefill_rows = [(t, ctx, n) for t, (ctx, n) in zip(tables[len(lengths):], chunks)]
+    ids = torch.randint(3, fused.config.vocab_size, (len(lengths) + sum(n for _, n in chunks),), generator=g)
+    positions = torch.tensor(lengths + [p for ctx, n in chunks for p in range(ctx, ctx + n)])
+    every_row = torch.arange(ids.shape[0])
+    batch = build_attention_batch(PAGE, decode_rows, prefill_rows, torch.device("cpu"))
+    a = fused.forward(ids, positions, batch, pool, every_row)
+    b = looped.forward(ids, positions, build_attention_batch(PAGE, decode_rows, prefill_rows, torch.device("cpu")),
+                       twin, every_row)
+    assert torch.isfinite(a).all()
+    assert torch.equal(a, b), (a - b).abs().max()
+    assert torch.equal(pool.data.nan_to_num(7.0), twin.data.nan_to_num(7.0))
+
+
+def test_a_chunk_token_gets_the_bits_it_gets_decoded_alone(checkpoint: Checkpoint) -> None:
+    """Prefilling n tokens in one chunk and decoding them one at a time give every position the
+    same logits, bit for bit: a row attends to exactly its own prefix, whatever step it is in."""
+    model = LlamaModel(checkpoint, torch.float32)
+    n = 21
+    ids = torch.randint(3, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
+    chunked = KVPool(model.config, 4, PAGE, torch.float32)
+    table = [1, 2]
+    whole = model.forward(ids, torch.arange(n), build_attention_batch(PAGE, [], [(table, 0, n)], torch.device("cpu")),
+                          chunked, torch.arange(n))
+    alone = KVPool(model.config, 4, PAGE, torch.float32)
+    rows = [model.forward(ids[:1], torch.arange(1),
+                          build_attention_batch(PAGE, [], [(table, 0, 1)], torch.device("cpu")), alone,
+                          torch.tensor([0]))]
+    for pos in range(1, n):
+        batch = build_attention_batch(PAGE, [(table, pos + 1)], [], torch.device("cpu"))
+        rows.append(model.forward(ids[pos:pos + 1], torch.tensor([pos]), batch, alone, torch.tensor([0])))
+    assert torch.equal(whole, torch.cat(rows))
+    assert torch.equal(chunked.data, alone.data)
 
 
 def test_only_the_named_pages_are_read_or_written(checkpoint: Checkpoint) -> None:
@@ -94,9 +149,9 @@ def test_only_the_named_pages_are_read_or_written(checkpoint: Checkpoint) -> Non
 
 
 def test_the_model_takes_it_only_where_it_applies(checkpoint: Checkpoint) -> None:
-    assert LlamaModel(checkpoint, torch.float32).decode_layers is not None
-    assert LlamaModel(checkpoint, torch.float32, cpu_kernels=False).decode_layers is None
-    assert LlamaModel(checkpoint, torch.float32, attention_backend="torch").decode_layers is None
+    assert LlamaModel(checkpoint, torch.float32).fused_layers is not None
+    assert LlamaModel(checkpoint, torch.float32, cpu_kernels=False).fused_layers is None
+    assert LlamaModel(checkpoint, torch.float32, attention_backend="torch").fused_layers is None
 
 
 def test_what_it_does_not_take_is_refused(checkpoint: Checkpoint) -> None:
@@ -105,8 +160,8 @@ def test_what_it_does_not_take_is_refused(checkpoint: Checkpoint) -> None:
     slots = StoreSlots.checked(torch.tensor([1]), torch.tensor([0]), 4, PAGE)
     tables = DecodeTables.checked(torch.tensor([[1]]), torch.tensor([1]), 4, PAGE)
     d, hidden = model.config.head_dim, model.config.hidden_size
-    with pytest.raises(ValueError, match="decode layers want"):  # two rows, one slot
-        model.decode_layers.run(torch.zeros(2, hidden), torch.ones(2, d), torch.ones(2, d), pool.data, slots, tables)
-    with pytest.raises(ValueError, match="decode layers want"):
-        model.decode_layers.run(torch.zeros(1, hidden, dtype=torch.float64), torch.ones(1, d), torch.ones(1, d),
+    with pytest.raises(ValueError, match="fused layers want"):  # two rows, one slot
+        model.fused_layers.run(torch.zeros(2, hidden), torch.ones(2, d), torch.ones(2, d), pool.data, slots, tables)
+    with pytest.raises(ValueError, match="fused layers want"):
+        model.fused_layers.run(torch.zeros(1, hidden, dtype=torch.float64), torch.ones(1, d), torch.ones(1, d),
                                 pool.data, slots, tables)
