@@ -69,6 +69,14 @@ class DecodeTables:
         return cls(table, lens, longest, rows)
 
 
+ATTEND_BLOCK = 4  # cpu_kernels.c: rows of one table that share their key tiles
+
+
+def scores_per_thread(group: int, tables: DecodeTables) -> int:
+    """The floats of scratch each thread of the kernel scores a block of rows in."""
+    return ATTEND_BLOCK * group * (tables.longest + 8)
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: DecodeTables,
                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, heads, D]; keys/values: [num_pages, kv_heads, page_size, D] layer views of the pool
@@ -88,7 +96,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if not out.is_contiguous() or out.shape != q.shape:
         raise ValueError("out must be a contiguous tensor shaped like q")
     threads = torch.get_num_threads()
-    per_thread = (heads // kv_heads) * (tables.longest + 8)
+    per_thread = scores_per_thread(heads // kv_heads, tables)
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     cpu_kernels.library().kvfence_decode_attention(
         q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.page_table.data_ptr(),

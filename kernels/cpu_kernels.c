@@ -678,14 +678,54 @@ static inline void score_rows(const float *q, const float *k, int64_t n, int64_t
     }
 }
 
-/* Runs the body (the last arguments) for every row t < kv_len of one (sequence, KV head) of
- * `base` (keys or values), page by page, with `row` pointing at it. */
-#define FOR_EACH_ROW(base, t, row, ...)                                                     \
-    for (int64_t page_i = 0, t = 0; t < kv_len; page_i++) {                                   \
-        const float *page_row = (base) + table[page_i] * page_stride + head_offset;           \
-        int64_t page_end = t + (kv_len - t < page_size ? kv_len - t : page_size);             \
-        for (const float *row = page_row; t < page_end; t++, row += d) { __VA_ARGS__ }       \
+/* The value rows v[0..n) weighted by p[0..n), added into o[0..d) in row order. */
+static inline void add_value_rows(const float *v, const float *p, int64_t n, int64_t d, float *o) {
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) {  /* 64 output dims in eight registers */
+        __m256 o0 = _mm256_loadu_ps(o + c), o1 = _mm256_loadu_ps(o + c + 8), o2 = _mm256_loadu_ps(o + c + 16),
+               o3 = _mm256_loadu_ps(o + c + 24), o4 = _mm256_loadu_ps(o + c + 32), o5 = _mm256_loadu_ps(o + c + 40),
+               o6 = _mm256_loadu_ps(o + c + 48), o7 = _mm256_loadu_ps(o + c + 56);
+        for (int64_t t = 0; t < n; t++) {
+            const float *vc = v + t * d + c;
+            __m256 w = _mm256_broadcast_ss(p + t);
+            o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc), o0);
+            o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + 8), o1);
+            o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + 16), o2);
+            o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + 24), o3);
+            o4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + 32), o4);
+            o5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + 40), o5);
+            o6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + 48), o6);
+            o7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + 56), o7);
+        }
+        _mm256_storeu_ps(o + c, o0); _mm256_storeu_ps(o + c + 8, o1);
+        _mm256_storeu_ps(o + c + 16, o2); _mm256_storeu_ps(o + c + 24, o3);
+        _mm256_storeu_ps(o + c + 32, o4); _mm256_storeu_ps(o + c + 40, o5);
+        _mm256_storeu_ps(o + c + 48, o6); _mm256_storeu_ps(o + c + 56, o7);
     }
+    for (; c < d; c += 8) {  /* what is left of head_dim, eight at a time */
+        __m256 acc = _mm256_loadu_ps(o + c);
+        for (int64_t t = 0; t < n; t++)
+            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * d + c), acc);
+        _mm256_storeu_ps(o + c, acc);
+    }
+}
+
+/* s[0..n): scores in, exp(s - max) out (an exact max), with s[n..n + 8) set so the last vector of
+ * eight adds 0; returns 1 / the sum of the exps. */
+static inline float softmax_scores(float *s, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t t = 0; t < n; t++)
+        m = s[t] > m ? s[t] : m;
+    for (int64_t t = n; t < n + 8; t++)
+        s[t] = -INFINITY;
+    __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    return 1.0f / hsum8(sum);
+}
 
 static void attend_one(const float *q, float *out, const float *keys, const float *values,
                        const int64_t *table, int64_t kv_len, int64_t page_size, int64_t page_stride,
@@ -700,71 +740,129 @@ static void attend_one(const float *q, float *out, const float *keys, const floa
             score_rows(qg, keys + table[page_i] * page_stride + head_offset, n, d, scale, s + t);
             t += n;
         }
-        float m = -INFINITY;
-        for (int64_t t = 0; t < kv_len; t++)
-            m = s[t] > m ? s[t] : m;
-        for (int64_t t = kv_len; t < ld; t++)
-            s[t] = -INFINITY;  /* the tail of the last vector of 8 adds 0 */
-        __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < kv_len; t += 8) {
-            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-            _mm256_storeu_ps(s + t, p);
-            sum = _mm256_add_ps(sum, p);
-        }
-        __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
+        __m256 inv = _mm256_set1_ps(softmax_scores(s, kv_len));
         float *o = out + g * d;
-        int64_t c = 0;
-        for (; c + 64 <= d; c += 64) {  /* 64 output dims in eight registers */
-            __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
-            FOR_EACH_ROW(values, t, v, {
-                const float *vc = v + c;
-                __m256 p = _mm256_broadcast_ss(s + t);
-                o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc), o0);
-                o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 8), o1);
-                o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 16), o2);
-                o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 24), o3);
-                o4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 32), o4);
-                o5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 40), o5);
-                o6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 48), o6);
-                o7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 56), o7);
-            })
-            _mm256_storeu_ps(o + c, _mm256_mul_ps(o0, inv));
-            _mm256_storeu_ps(o + c + 8, _mm256_mul_ps(o1, inv));
-            _mm256_storeu_ps(o + c + 16, _mm256_mul_ps(o2, inv));
-            _mm256_storeu_ps(o + c + 24, _mm256_mul_ps(o3, inv));
-            _mm256_storeu_ps(o + c + 32, _mm256_mul_ps(o4, inv));
-            _mm256_storeu_ps(o + c + 40, _mm256_mul_ps(o5, inv));
-            _mm256_storeu_ps(o + c + 48, _mm256_mul_ps(o6, inv));
-            _mm256_storeu_ps(o + c + 56, _mm256_mul_ps(o7, inv));
+        memset(o, 0, (size_t)d * sizeof(float));
+        for (int64_t page_i = 0, t = 0; t < kv_len; page_i++) {
+            int64_t n = kv_len - t < page_size ? kv_len - t : page_size;
+            add_value_rows(values + table[page_i] * page_stride + head_offset, s + t, n, d, o);
+            t += n;
         }
-        for (; c < d; c += 8) {  /* what is left of head_dim, eight at a time */
-            __m256 acc = _mm256_setzero_ps();
-            FOR_EACH_ROW(values, t, v, {
-                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(s + t), _mm256_loadu_ps(v + c), acc);
-            })
-            _mm256_storeu_ps(o + c, _mm256_mul_ps(acc, inv));
-        }
+        for (int64_t c = 0; c < d; c += 8)  /* scaled once at the end */
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inv));
     }
 }
 
-/* scratch: threads * group * (max(kv_lens) + 8) floats. */
+/* A block of rows reading the same table (a prefill chunk's consecutive tokens): their keys and
+ * values go a tile at a time (a page's rows, at most ATTEND_TILE: 4 KB of keys at head_dim 64)
+ * through every query of every row of the block, so the block reads its context once from L2/L3
+ * rather than once per token. Each query's sums keep attend_one's order: a score is one key row's
+ * FMA chain (score_rows: the same bits in a block of eight or alone), the softmax is the same, and
+ * each output dim adds the weighted value rows in key order, its running sum kept in `out`
+ * between tiles; so a row gets the same bits in a block or alone. */
+#define ATTEND_TILE 16
+#define ATTEND_BLOCK 4
+
+/* Runs the body (the last argument) for every tile of the block's keys or values (`base`), every
+ * row r of the block that reads into it and every query g of the group: `tile` points at the
+ * tile's first row, key index `at`, of which row r reads `m` (> 0). */
+#define FOR_EACH_TILE(base, ...)                                                                   \
+    for (int64_t page_i = 0, t = 0; t < longest; page_i++) {                                       \
+        int64_t n = longest - t < page_size ? longest - t : page_size;                             \
+        for (int64_t t0 = 0; t0 < n; t0 += ATTEND_TILE) {                                          \
+            const float *tile = (base) + table[page_i] * page_stride + head_offset + t0 * d;       \
+            int64_t at = t + t0;                                                                   \
+            for (int r = 0; r < nr; r++) {                                                         \
+                int64_t m = kv_lens[r] - at;                                                       \
+                m = m < n - t0 ? m : n - t0;                                                       \
+                m = m < ATTEND_TILE ? m : ATTEND_TILE;                                             \
+                for (int g = 0; m > 0 && g < group; g++) { __VA_ARGS__ }                           \
+            }                                                                                      \
+        }                                                                                          \
+        t += n;                                                                                    \
+    }
+
+/* Rows r < nr of one KV head: row r's group of queries at q + r * ldq, its output at out + r * ldo,
+ * its keys the first kv_lens[r] of `table`. scores: nr * group * (max(kv_lens) + 8) floats. */
+static void attend_block(const float *q, int64_t ldq, float *out, int64_t ldo, int nr, const int64_t *kv_lens,
+                         const float *keys, const float *values, const int64_t *table, int64_t page_size,
+                         int64_t page_stride, int64_t head_offset, int group, int64_t d, float scale,
+                         float *scores) {
+    int64_t longest = 0;
+    for (int r = 0; r < nr; r++)
+        longest = kv_lens[r] > longest ? kv_lens[r] : longest;
+    int64_t ld = longest + 8;
+    FOR_EACH_TILE(keys, score_rows(q + r * ldq + g * d, tile, m, d, scale, scores + (r * group + g) * ld + at);)
+    float inv[nr * group];
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < group; g++) {  /* row r's keys only */
+            inv[r * group + g] = softmax_scores(scores + (r * group + g) * ld, kv_lens[r]);
+            memset(out + r * ldo + g * d, 0, (size_t)d * sizeof(float));
+        }
+    FOR_EACH_TILE(values, add_value_rows(tile, scores + (r * group + g) * ld + at, m, d, out + r * ldo + g * d);)
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < group; g++) {  /* scaled once at the end */
+            float *o = out + r * ldo + g * d;
+            __m256 iv = _mm256_set1_ps(inv[r * group + g]);
+            for (int64_t c = 0; c < d; c += 8)
+                _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), iv));
+        }
+}
+
+/* The starts of the step's row blocks: runs of up to ATTEND_BLOCK consecutive rows reading the same
+ * table row; first[nb] = batch. Returns nb. */
+static int64_t row_blocks(const int64_t *rows, int64_t batch, int64_t *first) {
+    int64_t nb = 0;
+    for (int64_t b = 0; b < batch;) {
+        int64_t e = b + 1;
+        while (e < batch && e - b < ATTEND_BLOCK && rows[e] == rows[b])
+            e++;
+        first[nb++] = b;
+        b = e;
+    }
+    first[nb] = batch;
+    return nb;
+}
+
+/* Every (row block, KV head) of a step over the calling OpenMP team (an orphaned `omp for`). Row b's
+ * queries of head h are at q + b * ldq + h * group * d (its output likewise in out, ldo). A block
+ * of one row is attend_one; longer blocks share their tiles (attend_block), with the same bits.
+ * Jobs go head by head, block by block within a head, handed out one at a time, so consecutive
+ * blocks of a chunk read one head's context while it is in this thread's caches. */
+static void attend_rows(const float *q, int64_t ldq, float *out, int64_t ldo, const int64_t *first, int64_t nb,
+                        const float *keys, const float *values, const int64_t *table, const int64_t *rows,
+                        int64_t max_pages, const int64_t *kv_lens, int64_t kv_heads, int64_t group, int64_t d,
+                        int64_t page_size, int64_t page_stride, int64_t head_stride, float scale, float *scores) {
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t job = 0; job < nb * kv_heads; job++) {
+        int64_t h = job % kv_heads, b = first[job / kv_heads], nr = first[job / kv_heads + 1] - b;
+        const float *qb = q + b * ldq + h * group * d;
+        float *ob = out + b * ldo + h * group * d;
+        const int64_t *tb = table + rows[b] * max_pages;
+        if (nr == 1)
+            attend_one(qb, ob, keys, values, tb, kv_lens[b], page_size, page_stride, h * head_stride, (int)group, d,
+                       scale, scores);
+        else
+            attend_block(qb, ldq, ob, ldo, (int)nr, kv_lens + b, keys, values, tb, page_size, page_stride,
+                         h * head_stride, (int)group, d, scale, scores);
+    }
+}
+
+/* scratch: threads * ATTEND_BLOCK * group * (max(kv_lens) + 8) floats. */
 void kvfence_decode_attention(const float *q, float *out, const float *keys, const float *values,
                               const int64_t *table, const int64_t *rows, int64_t max_pages,
                               const int64_t *kv_lens, int64_t batch,
                               int64_t kv_heads, int64_t group, int64_t d, int64_t page_size,
                               int64_t page_stride, int64_t head_stride, float scale, float *scratch,
                               int64_t scratch_per_thread, int threads) {
+    int64_t *first = malloc((size_t)(batch + 1) * sizeof(int64_t));
+    if (!first)
+        abort();
+    int64_t nb = row_blocks(rows, batch, first), ld = kv_heads * group * d;
     #pragma omp parallel num_threads(threads)
-    {
-        float *scores = scratch + omp_get_thread_num() * scratch_per_thread;
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < batch * kv_heads; job++) {
-            int64_t b = job / kv_heads, h = job % kv_heads;
-            int64_t row = (b * kv_heads + h) * group * d;
-            attend_one(q + row, out + row, keys, values, table + rows[b] * max_pages, kv_lens[b], page_size,
-                       page_stride, h * head_stride, (int)group, d, scale, scores);
-        }
-    }
+    attend_rows(q, ld, out, ld, first, nb, keys, values, table, rows, max_pages, kv_lens, kv_heads, group, d,
+                page_size, page_stride, head_stride, scale, scratch + omp_get_thread_num() * scratch_per_thread);
+    free(first);
 }
 
 /* ---- KV store --------------------------------------------------------------------------------
@@ -859,7 +957,7 @@ struct kvfence_step {
     int64_t page_size, page_stride, head_stride;
     float *h, *qkv, *attn, *gu, *act;         /* scratch: [B, hidden], [B, qkv_n], [B, q], [B, 2 inter], [B, inter] */
     float *scores;                            /* threads * scores_per_thread */
-    int64_t scores_per_thread;
+    int64_t scores_per_thread;                /* at least ATTEND_BLOCK * group * (longest kv_len + 8) */
     int threads;
 };
 
@@ -880,6 +978,10 @@ void kvfence_layer(const struct kvfence_layer_weights *w, const struct kvfence_s
                           float *x, float *keys, float *values) {
     const int64_t b_n = s->batch, hidden = s->hidden, d = s->d, group = s->heads / s->kv_heads;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d, qkv_n = q_size + 2 * kv_size;
+    int64_t *first = malloc((size_t)(b_n + 1) * sizeof(int64_t));
+    if (!first)
+        abort();
+    int64_t nb = row_blocks(s->rows, b_n, first);
     #pragma omp parallel num_threads(s->threads)
     {
         float *scores = s->scores + omp_get_thread_num() * s->scores_per_thread;
@@ -898,13 +1000,8 @@ void kvfence_layer(const struct kvfence_layer_weights *w, const struct kvfence_s
                 memcpy(values + base + h * s->head_stride, row + q_size + kv_size + h * d, (size_t)d * sizeof(float));
             }
         }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < b_n * s->kv_heads; job++) {
-            int64_t b = job / s->kv_heads, h = job % s->kv_heads;
-            attend_one(s->qkv + b * qkv_n + h * group * d, s->attn + b * q_size + h * group * d, keys, values,
-                       s->table + s->rows[b] * s->max_pages, s->kv_lens[b], s->page_size, s->page_stride,
-                       h * s->head_stride, (int)group, d, s->scale, scores);
-        }
+        attend_rows(s->qkv, qkv_n, s->attn, q_size, first, nb, keys, values, s->table, s->rows, s->max_pages,
+                    s->kv_lens, s->kv_heads, group, d, s->page_size, s->page_stride, s->head_stride, s->scale, scores);
         gemm_panels(s->attn, b_n, w->o, x, 1);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < b_n; b++)
@@ -915,4 +1012,5 @@ void kvfence_layer(const struct kvfence_layer_weights *w, const struct kvfence_s
             silu_mul_row(s->gu + b * 2 * s->inter, s->act + b * s->inter, s->inter);
         gemm_panels(s->act, b_n, w->down, x, 1);
     }
+    free(first);
 }

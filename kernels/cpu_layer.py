@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from kvfence.kernels import cpu_kernels
-from kvfence.kernels.cpu_attention import DecodeTables, StoreSlots
+from kvfence.kernels.cpu_attention import DecodeTables, StoreSlots, scores_per_thread
 from kvfence.kernels.cpu_gemm import PackedWeight
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -99,7 +99,7 @@ class FusedLayers:
         cos, sin = cos.contiguous(), sin.contiguous()
         q_size, kv_size = self.heads * d, kv_heads * d
         threads = torch.get_num_threads()
-        per_thread = (self.heads // kv_heads) * (tables.longest + 8)
+        per_thread = scores_per_thread(self.heads // kv_heads, tables)
         scratch = [torch.empty(b, n, dtype=torch.float32)
                    for n in (self.hidden, q_size + 2 * kv_size, q_size, 2 * self.inter, self.inter)]
         scores = torch.empty(threads * per_thread, dtype=torch.float32)

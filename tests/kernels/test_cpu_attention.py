@@ -1,7 +1,8 @@
 """kernels/cpu_attention.py: decode attention over the pool's pages in place equals the torch path
 (engine/attention.py), reads nothing but the pages a table names (every other page is NaN here),
-gives a sequence the same bits whatever else is in the batch, and refuses tables that name pages
-outside the pool. The CPU backend runs it inside a mixed decode + prefill step."""
+gives a sequence the same bits whatever else is in the batch (and a prefill chunk's token the bits
+it gets alone), and refuses tables that name pages outside the pool. The CPU backend runs it
+inside a mixed decode + prefill step."""
 
 from __future__ import annotations
 
@@ -92,6 +93,33 @@ def test_a_key_scores_the_same_bits_in_a_block_of_eight_or_alone() -> None:
                                                                            torch.device("cpu")))
         outs.append(kernel(data, q, batch))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("page_size,context,tokens", [(16, 0, 11), (40, 29, 13), (8, 3, 7), (16, 45, 1),
+                                                      (5, 12, 9)])
+def test_a_chunk_token_gets_the_bits_it_gets_alone(page_size: int, context: int, tokens: int) -> None:
+    """A prefill chunk's rows read one table, each up to its own position; they go in blocks that
+    share key tiles (a tile never crosses a page; pages of 40 hold several tiles). Every row gets
+    the bits it gets alone, the torch path's values within rounding, and no NaN page is read."""
+    kv_heads, group, d = 3, 3, 64
+    g = torch.Generator().manual_seed(page_size + context)
+    data = pool(kv_heads, page_size, d)
+    n = context + tokens
+    table = (torch.randperm(PAGES - 1, generator=g)[: -(-n // page_size)] + 1).tolist()
+    fill(data, table, g)
+    keys, values = data[:, 1, 0], data[:, 1, 1]
+    q = torch.randn(tokens, kv_heads * group, d, generator=g)
+    lens = torch.arange(context + 1, n + 1)
+    tables = cpu_attention.DecodeTables.checked(torch.tensor([table]), lens, PAGES, page_size,
+                                                rows=torch.zeros(tokens, dtype=torch.int64))
+    together = cpu_attention.decode_attention(q, keys, values, tables, 1.0 / math.sqrt(d))
+    assert torch.isfinite(together).all()
+    for i in range(tokens):
+        alone = cpu_attention.DecodeTables.checked(torch.tensor([table]), lens[i: i + 1], PAGES, page_size)
+        assert torch.equal(cpu_attention.decode_attention(q[i: i + 1], keys, values, alone, 1.0 / math.sqrt(d))[0],
+                           together[i]), i
+    step = build_attention_batch(page_size, [], [(table, context, tokens)], torch.device("cpu"))
+    torch.testing.assert_close(together, torch_reference(data, q, step), rtol=1e-5, atol=1e-5)
 
 
 def test_tables_outside_the_pool_are_refused() -> None:
