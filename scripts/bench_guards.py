@@ -15,10 +15,9 @@ streamed chat completions at --concurrency streams (scripts/bench_serve.py's `ru
 that goes first alternating every round, every prompt unique (a random tag first, so neither server
 can reuse any KV). Printed per round: tok/s, TTFT p50, ITL p50 and the server process's CPU time
 per output token (every thread: the guards' work wherever it runs) of both, the tok/s ratio on/off
-and the CPU ratio off/on; then the median of each. At 16 streams both cores are busy, so the
-output rate is the inverse of the CPU per token, and the CPU ratio measures the same cost with
-less of the round-to-round noise (prefill and decode interleaving differently, the last requests
-of a round running alone).
+and the CPU ratio off/on; then the median of each. Where the server keeps every core busy (16
+streams on two cores: the compute thread's OpenMP team spins between steps) the two ratios are the
+same number; below that, the CPU ratio is the guards' cost where the rate cannot show it.
 
   .venv/bin/python scripts/bench_guards.py                            # 5 rounds of 64 requests at 16 streams
   .venv/bin/python scripts/bench_guards.py --rounds 2 --requests 16   # a smoke run
