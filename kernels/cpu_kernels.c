@@ -420,13 +420,19 @@ static AVX512 void quad_block_rows(const float *x, int64_t ldx, const struct kvf
 }
 
 /* The same blocks with the four panels' weights decoded in registers, pair of k by pair of k,
- * straight into the FMAs (no round trip through a buffer): for four panels of one of the common
- * block types. Each value is computed by the operations cpu_quant.c's decoders use (there in
+ * straight into the FMAs (no round trip through a buffer): for four panels of one block type. Each value is computed by the operations cpu_quant.c's decoders use (there in
  * 8-lane halves, here in 16 lanes), so the bits are theirs. */
 
 static inline AVX512 __m512 z_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline AVX512 __m512 z_u8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline AVX512 __m512 z_i8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* bits [s, s + n) of each lane of v, shifted to bit 4 (Q5_0's fifth bit, Q6_K's two high bits) */
+static inline AVX512 __m512i z_high(__m512i v, int s, int n) {
+    return _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, (unsigned)s), _mm512_set1_epi32((1 << n) - 1)), 4);
 }
 
 /* Chunk c of a panel: its per-row scale a and offset b, and where its values are. */
@@ -436,6 +442,14 @@ z_chunk(int format, const uint8_t *panel, int64_t c, __m512 *a, __m512 *b) {
     case KVF_Q4_0: *a = z_f16(panel + c * 288); return panel + c * 288 + 32;
     case KVF_Q4_1: *a = z_f16(panel + c * 320); *b = z_f16(panel + c * 320 + 32); return panel + c * 320 + 64;
     case KVF_Q8_0: *a = z_f16(panel + c * 544); return panel + c * 544 + 32;
+    case KVF_Q5_0: *a = z_f16(panel + c * 352); return panel + c * 352 + 32;
+    case KVF_Q6_K: {  /* chunk j of its super-block: a for its first 16 k, b for the next 16 */
+        const uint8_t *s = panel + c / 8 * 3360;
+        int64_t j = c % 8;
+        *a = _mm512_mul_ps(z_f16(s), z_i8(s + 32 + 16 * (2 * j)));
+        *b = _mm512_mul_ps(z_f16(s), z_i8(s + 32 + 16 * (2 * j + 1)));
+        return s + 288 + 384 * j;
+    }
     default: {  /* KVF_Q4_K: chunk j of its super-block */
         const uint8_t *s = panel + c / 8 * 2368;
         int64_t j = c % 8;
@@ -458,6 +472,23 @@ z_pair(int format, const uint8_t *q, int i, __m512 a, __m512 b, __m512 *w0, __m5
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * i)));
     __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
     switch (format) {
+    case KVF_Q5_0: {  /* the fifth bits of pair i: bits 2(i % 4), + 1 of octet i / 4's byte */
+        __m512i bits = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 256 + 16 * (i / 4))));
+        lo = _mm512_sub_epi32(_mm512_or_si512(lo, z_high(bits, 2 * (i % 4), 1)), _mm512_set1_epi32(16));
+        hi = _mm512_sub_epi32(_mm512_or_si512(hi, z_high(bits, 2 * (i % 4) + 1, 1)), _mm512_set1_epi32(16));
+        *w0 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(lo));
+        *w1 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(hi));
+        break;
+    }
+    case KVF_Q6_K: {  /* the high bits of pair i: bits 4(i % 2) .. + 3 of quad i / 2's byte */
+        __m512i bits = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 256 + 16 * (i / 2))));
+        lo = _mm512_sub_epi32(_mm512_or_si512(lo, z_high(bits, 4 * (i % 2), 2)), _mm512_set1_epi32(32));
+        hi = _mm512_sub_epi32(_mm512_or_si512(hi, z_high(bits, 4 * (i % 2) + 2, 2)), _mm512_set1_epi32(32));
+        __m512 scale = i < 8 ? a : b;
+        *w0 = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(lo));
+        *w1 = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(hi));
+        break;
+    }
     case KVF_Q4_0:
         *w0 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, _mm512_set1_epi32(8))));
         *w1 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, _mm512_set1_epi32(8))));
@@ -507,10 +538,10 @@ quad_block_z(int format, const float *x, int64_t ldx, const struct kvfence_weigh
     default: quad_block_z(F, x, ldx, w, p, 1, y, ldy, cols3, bias, accumulate); break;                  \
     }
 
-/* Whether quad_block_z_rows takes panels p .. p + 3: all of one of its block types. */
+/* Whether quad_block_z_rows takes panels p .. p + 3: all of one block type (any but F32). */
 static int quad_in_registers(const struct kvfence_weight *w, int64_t p) {
     int format = w->panel_format[p];
-    if (format != KVF_Q4_0 && format != KVF_Q4_1 && format != KVF_Q8_0 && format != KVF_Q4_K)
+    if (format == KVF_F32)
         return 0;
     return w->panel_format[p + 1] == format && w->panel_format[p + 2] == format && w->panel_format[p + 3] == format;
 }
@@ -521,6 +552,8 @@ static AVX512 void quad_block_z_rows(const float *x, int64_t ldx, const struct k
     case KVF_Q4_0: QZ_ROWS(KVF_Q4_0) break;
     case KVF_Q4_1: QZ_ROWS(KVF_Q4_1) break;
     case KVF_Q8_0: QZ_ROWS(KVF_Q8_0) break;
+    case KVF_Q5_0: QZ_ROWS(KVF_Q5_0) break;
+    case KVF_Q6_K: QZ_ROWS(KVF_Q6_K) break;
     default: QZ_ROWS(KVF_Q4_K) break;
     }
 }

@@ -34,6 +34,10 @@ MUTATIONS = {
         "cpu_kernels.c", "*w1 = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(hi), b);",
         "*w1 = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(lo), b);", "Q4_1"),
     "Q8_0 in registers: pairs a row apart": ("cpu_kernels.c", "(q + 32 * i + 16)", "(q + 32 * i + 8)", "Q8_0"),
+    "Q5_0 in registers: the fifth bit of the other k": ("cpu_kernels.c", "z_high(bits, 2 * (i % 4), 1)",
+                                                        "z_high(bits, 2 * (i % 4) + 1, 1)", "Q5_0"),
+    "Q6_K in registers: a sub-block's scale one pair early": ("cpu_kernels.c", "i < 8 ? a : b", "i < 7 ? a : b",
+                                                              "Q6_K"),
 }
 KERNELS = Path(cpu_kernels.__file__).parent
 
