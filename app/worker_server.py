@@ -37,7 +37,7 @@ from kvfence.engine.compute import ComputeThread
 from kvfence.engine.protocol import RunStep
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.remote.protocol import (
-    HANDSHAKE_LABEL, PREFIX_BYTES, SCHEDULER_SILENCE_S, Answer, AnswerBody, Arm, AwaitVerdict, Call, Cancel,
+    HANDSHAKE_LABEL, PREFIX_BYTES, SCHEDULER_SILENCE_S, Answer, AnswerBody, Arm, AwaitVerdict, Call, Cancel, Cut,
     Describe, Description, Done, Failure, Paired, PairWith, Ping, Push, Reference, Tokens, Verdict, WaitQuiet,
     body_length, decode_call, frame,
 )
@@ -234,6 +234,9 @@ class WorkerServer:
         endpoint = self.endpoint
         match body:
             case Ping():
+                return Done()
+            case Cut(step_id):
+                self.worker.ask_cut(step_id)
                 return Done()
             case Describe():
                 return self.describe()

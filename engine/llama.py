@@ -8,6 +8,7 @@ GEMM each, so a layer is four matrix multiplies whatever the batch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -128,12 +129,15 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                pool: KVPool, logits_rows: torch.Tensor) -> torch.Tensor:
+                pool: KVPool, logits_rows: torch.Tensor,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64; logits_rows: [N] rows to score -> logits [N, vocab] float32.
 
         Writes every token's K/V into the pages `batch` names, then attends through them. On the
         CPU kernels each layer is one C call (kernels/cpu_layer.py), which computes exactly what
-        the per-op loop below computes on them.
+        the per-op loop below computes on them. `between_layers` is called before each layer; an
+        exception it raises stops the forward there, leaving the K/V of the layers before it
+        written into the batch's slots and nothing else (a step cut short, engine/runner.py).
         """
         c = self.config
         num_tokens = input_ids.shape[0]
@@ -141,10 +145,12 @@ class LlamaModel:
         if self.fused_layers is not None:
             slots, tables = self.attention.checked(batch, pool.keys(0))  # type: ignore[attr-defined]
             x = self.fused_layers.run(x, self.rope.cos[positions], self.rope.sin[positions], pool.data, slots,
-                                       tables)
+                                       tables, between_layers)
             return self.lm_head(self._norm(x[logits_rows], self.final_norm)).float()
         cos, sin = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
+            if between_layers is not None:
+                between_layers()
             h = self._norm(x, layer.attn_norm)
             qkv = layer.qkv(h)  # [T, q_size + 2 kv_size]
             qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)

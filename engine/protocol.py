@@ -121,6 +121,10 @@ class RunStep(msgspec.Struct, frozen=True, tag="run_step"):
     # It carries a prompt whose first token someone waits for: on a device shared by several
     # workers it runs before the steps queued ahead of it (engine/compute.py).
     urgent: bool = False
+    # It carries only prompt chunks of groups already decoding: the worker stops its forward
+    # between two layers when asked (WorkerChannel.cut), replying with every seq deferred, so a
+    # prompt whose first token someone waits for need not wait for the rest of it.
+    cuttable: bool = False
 
 
 class OwnerMismatch(msgspec.Struct, frozen=True):
@@ -158,9 +162,11 @@ class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
     # `score` that is not -1, in order
     prompt_logprobs: list[list[TokenLogprobs]] = []
     failed: list[SeqFailure] = []  # seqs that failed alone (their token is None)
-    # seqs left out of this step, untouched (their page tables extended, nothing read or written),
-    # until their grammar is compiled on this worker in the background: send them again as they were
+    # seqs left out of this step (their page tables extended, nothing read, no K/V counted as
+    # written): their grammar is compiling on this worker in the background, or the step was cut
+    # short (`cut`). Send them again as they were.
     deferred: list[int] = []
+    cut: bool = False  # a cuttable step stopped between layers when asked: every seq that ran is deferred
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
@@ -214,4 +220,9 @@ class WorkerChannel(Protocol):
     device: str
 
     async def call(self, request: WorkerRequest) -> WorkerReply: ...
+
+    async def cut(self, step_id: int) -> None:
+        """Ask the worker to stop step `step_id` between two layers if it is still running and
+        was sent cuttable (RunStep.cuttable); a no-op otherwise. Its reply says whether it was."""
+        ...
 

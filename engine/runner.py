@@ -8,6 +8,7 @@ tables come from the page ledger and are only read here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,6 +59,13 @@ class StepResult:
     # works that ran but got no token because of something of their own (their grammar allows no
     # token): work index -> why, in words a client may read
     dead_ends: dict[int, str] = dataclasses.field(default_factory=dict)
+    # the forward was stopped between layers when asked (`step`'s `cut`): no work got a token,
+    # none of their K/V counts as written, and each is to be run again as it was
+    cut: bool = False
+
+
+class _Cut(Exception):
+    """Raised between layers to stop a forward that was asked to stop."""
 
 
 class ModelRunner:
@@ -74,8 +82,13 @@ class ModelRunner:
         self.owner_check = owner_check
         self.sanitizer = sanitizer
 
-    def step(self, works: list[SeqWork], return_logits: bool = False) -> StepResult:
+    def step(self, works: list[SeqWork], return_logits: bool = False,
+             cut: Callable[[], bool] | None = None) -> StepResult:
         """Run one forward over `works` (decodes are batched together; prefill chunks follow).
+
+        `cut`: asked before each layer; once it answers True the forward stops there and the
+        result says so (`StepResult.cut`): the layers that ran wrote K/V only into slots past each
+        work's context, in its own pages, which running it again writes with the same bits.
 
         Every page a work touches must carry its lease (owner_check), and with a sanitizer every
         slot it reads must have been written by that lease; a work that fails either check is left
@@ -99,7 +112,7 @@ class ModelRunner:
         if violations:
             excluded = {v.work_index for v in violations}
             kept = [i for i in range(len(works)) if i not in excluded]
-            inner = self.step([works[i] for i in kept], return_logits) if kept else StepResult([], None)
+            inner = self.step([works[i] for i in kept], return_logits, cut) if kept else StepResult([], None)
             tokens: list[int | None] = [None] * len(works)
             logprobs: list[TokenLogprobs | None] = [None] * len(works) if inner.logprobs else []
             scores: list[list[TokenLogprobs]] = [[] for _ in works] if inner.prompt_logprobs else []
@@ -110,7 +123,7 @@ class ModelRunner:
                 if inner.prompt_logprobs:
                     scores[i] = inner.prompt_logprobs[j]
             dead_ends = {kept[j]: why for j, why in inner.dead_ends.items()}
-            return StepResult(tokens, inner.logits, violations, logprobs, scores, dead_ends)
+            return StepResult(tokens, inner.logits, violations, logprobs, scores, dead_ends, cut=inner.cut)
         order = [i for i, w in enumerate(works) if w.is_decode] + \
                 [i for i, w in enumerate(works) if not w.is_decode]
         num_decode = sum(1 for w in works if w.is_decode)
@@ -140,9 +153,18 @@ class ModelRunner:
             device,
         )
         tokens = [None] * len(works)
-        all_logits = self.model.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                                        batch, self.pool,
-                                        torch.tensor(score_rows + prompt_rows, dtype=torch.int64, device=device))
+
+        def between_layers() -> None:
+            if cut is not None and cut():
+                raise _Cut
+
+        try:
+            all_logits = self.model.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                            batch, self.pool,
+                                            torch.tensor(score_rows + prompt_rows, dtype=torch.int64, device=device),
+                                            between_layers if cut is not None else None)
+        except _Cut:
+            return StepResult(tokens, None, cut=True)
         if self.sanitizer is not None:  # the forward stored every work's new K/V
             for w in works:
                 self.sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))

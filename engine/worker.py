@@ -49,6 +49,12 @@ class Worker:
         self.token_counts = LeaseTokenCounts(runner.model.config.vocab_size, self.device)
         self.grammars = LeaseGrammars(tokenizer, runner.model.config.vocab_size)
         self.incarnation = id_hex(mint_id())
+        self._cut_asked = 0  # the step asked to stop between layers (set from another thread)
+
+    def ask_cut(self, step_id: int) -> None:
+        """Stop step `step_id` at its next layer boundary if it is running and cuttable
+        (RunStep.cuttable); safe from any thread. Asking for a step that already ended does nothing."""
+        self._cut_asked = step_id
 
     def restart(self) -> None:
         """Come back as a new incarnation with a blank pool, as a restarted worker process would:
@@ -59,6 +65,7 @@ class Worker:
         self.page_tables.clear()
         self.token_counts.clear()
         self.grammars.clear()
+        self._cut_asked = 0  # step ids start again with the next scheduler
         if self.sanitizer is not None:
             self.sanitizer.forget(every)
         old, self.incarnation = self.incarnation, id_hex(mint_id())
@@ -146,10 +153,17 @@ class Worker:
         n = len(cmd.seqs)
         tokens: list[int | None] = [None] * n
         violations: list[OwnerMismatch] = []
-        logprobs, prompt_logprobs, logits = [], [], None
+        logprobs, prompt_logprobs, logits, cut = [], [], None, False
         if works:
+            step_id = cmd.step_id
             with torch.inference_mode():
-                result = self.runner.step(works, return_logits)
+                result = self.runner.step(works, return_logits,
+                                          (lambda: self._cut_asked == step_id) if cmd.cuttable else None)
+            cut = result.cut
+            if cut:
+                log.debug("%s worker: step %d cut short between layers", self.role, step_id)
+                deferred = sorted(deferred + [index for j, index in enumerate(indices)
+                                              if j not in {v.work_index for v in result.violations}])
             logits = result.logits
             for j, index in enumerate(indices):
                 tokens[index] = result.tokens[j]
@@ -165,7 +179,7 @@ class Worker:
                     prompt_logprobs[index] = result.prompt_logprobs[j]
         return StepDone(cmd.step_id, tokens, violations, self.incarnation, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, failed=sorted(failed, key=lambda f: f.seq_index),
-                        deferred=deferred), logits
+                        deferred=deferred, cut=cut), logits
 
     def _defer(self, s: SeqStep) -> bool:
         """Leave `s` out of this step: its grammar is still being compiled here in the background
@@ -227,3 +241,6 @@ class LocalWorkerChannel:
         urgent = isinstance(request, RunStep) and request.urgent
         reply = await self.compute.run(self._serve, encode(request), urgent=urgent)  # not cancellable mid-step
         return decode_reply(reply)
+
+    async def cut(self, step_id: int) -> None:
+        self.worker.ask_cut(step_id)

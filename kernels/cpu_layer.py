@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -81,11 +81,12 @@ class FusedLayers:
                 and heads % kv_heads == 0)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_data: torch.Tensor,
-            slots: StoreSlots, tables: DecodeTables) -> torch.Tensor:
+            slots: StoreSlots, tables: DecodeTables, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """x: [B, hidden] float32 (the step's token rows, updated in place and returned);
         cos, sin: [B, head_dim] full-width rope tables of each token's position (engine/rope.py);
         pool_data: the pool's [num_pages, layers, 2, kv_heads, page_size, head_dim] float32 tensor,
-        which `slots` and `tables` were checked against."""
+        which `slots` and `tables` were checked against; `between_layers`: called before each layer
+        (it may raise to stop the step there, LlamaModel.forward)."""
         b = x.shape[0]
         num_pages, num_layers, _, kv_heads, page_size, d = pool_data.shape
         if (x.dtype != torch.float32 or not x.is_contiguous() or x.shape != (b, self.hidden)
@@ -113,6 +114,8 @@ class FusedLayers:
         keys0, values_offset = pool_data.data_ptr(), pool_data.stride(2) * 4
         x_ptr, step_ref, call = x.data_ptr(), ctypes.byref(step), self._lib.kvfence_layer
         for i, layer in enumerate(self.layers):
+            if between_layers is not None:
+                between_layers()
             keys = keys0 + i * layer_stride
             call(ctypes.byref(layer.struct), step_ref, x_ptr, keys, keys + values_offset)
         return x

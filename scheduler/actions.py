@@ -23,6 +23,15 @@ class SendStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class CutStep:
+    """Ask the worker named `worker` to stop its step `step_id` (sent cuttable) between two layers
+    (WorkerChannel.cut); its reply still comes back as `step_replied`, cut or whole."""
+
+    worker: str
+    step_id: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StartTransfer:
     """Move the KV of token positions [first_token, num_tokens) from the prefill pool into the
     decode pool, page `src_pages[i]` of `src_lease` into page `dst_pages[i]` of `dst_lease`: the
@@ -75,7 +84,7 @@ class WatchQuiet:
     until_quiet: Callable[[], Awaitable[bool]]
 
 
-Action = SendStep | StartTransfer | Emit | WatchQuiet
+Action = SendStep | CutStep | StartTransfer | Emit | WatchQuiet
 
 
 @dataclasses.dataclass(frozen=True)

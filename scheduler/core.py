@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.actions import Action, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
+from kvfence.scheduler.actions import Action, CutStep, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.engine.ids import id_hex, mint_id
@@ -260,7 +260,9 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             req.stepping = False
         done = self._settle(w, step, reply, now)
         if done is not None:
-            deferred = set(done.deferred)  # left out until the worker compiled their grammar: sent again
+            if done.cut:
+                self.metrics.step_cut(w.name)
+            deferred = set(done.deferred)  # left out (a grammar compiling, or the step cut): sent again
             for i in deferred:
                 step.requests[i].counted_lease = 0  # their history goes again with them
             logprobs = done.logprobs or [None] * len(done.tokens)
@@ -363,6 +365,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         for w in turn_order(self.workers, contended, lambda o: first_token_on(o, self._running)):
             if w.in_flight is None:
                 self._plan_step(w, now, contended)
+        self._cut_for_first_tokens()
         for req in self._running[State.TRANSFERRING].values():
             assert req.pair is not None
             if not req.transfer and req.pair.decode.table.grant_applied(req.decode_lease):
@@ -370,6 +373,18 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
                 req.transfer = self._transfer_keys
                 self._actions.append(self._transfer_plan(req))
         self.metrics.queue_sizes(len(self.queue), self.num_running())
+
+    def _cut_for_first_tokens(self) -> None:
+        """Ask each worker whose step in flight carries only other groups' prompt chunks to stop
+        it between layers (CutStep) while a prompt of a group with nothing decoding waits for its
+        first token on it: that prompt's own step then goes next, not after the rest of a chunk
+        (up to a whole 128 tokens uncontended). The chunks cut go again as they were; a group
+        alone is never cut for its own requests (`waits_for_first_token`)."""
+        for w in self.workers:
+            step = w.in_flight
+            if step is not None and step.cuttable and not step.cut_asked and first_token_on(w, self._running):
+                step.cut_asked = True
+                self._actions.append(CutStep(w.name, step.step_id))
 
     def _transfer_plan(self, req: Request) -> StartTransfer:
         """Move what the decode pool does not already hold: from the first page past its cache hit
@@ -397,15 +412,17 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
                                           self.config.chunk_tokens - len(seqs), w.table, contended,
                                           self.config.held_back_tokens)
         if seqs or chunks or w.table.has_pending:
-            self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now, urgent=urgent)
+            self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now, urgent=urgent,
+                       cuttable=bool(chunks) and not seqs and not urgent)
 
     def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
-              seqs: list[SeqStep], now: float, *, urgent: bool = False) -> None:
+              seqs: list[SeqStep], now: float, *, urgent: bool = False, cuttable: bool = False) -> None:
         """`urgent`: it may pass the steps queued on its device (RunStep.urgent); tag changes alone
-        always may (they take no time)."""
+        always may (they take no time). `cuttable`: it carries only chunks of groups already
+        decoding (RunStep.cuttable), which `_cut_for_first_tokens` may stop."""
         pending = w.table.take_pending()
         self._step_id += 1
-        w.in_flight = Step(pending.number, decodes, chunks, seqs)
+        w.in_flight = Step(pending.number, decodes, chunks, seqs, self._step_id, cuttable)
         w.last_sent_s = now
         if seqs:
             w.last_step = self._step_id
@@ -413,7 +430,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             req.stepping = True
         message = RunStep(self._step_id, seqs, grants=pending.grants, released=pending.released,
                           landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation,
-                          urgent=urgent or not seqs)
+                          urgent=urgent or not seqs, cuttable=cuttable)
         self._actions.append(SendStep(w.name, message))
 
     # ---- lifecycle: the only places a state changes ----

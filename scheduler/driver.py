@@ -25,7 +25,7 @@ from anyio.abc import TaskGroup
 
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.actions import Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
+from kvfence.scheduler.actions import CutStep, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 from kvfence.scheduler.handle import RequestHandle
@@ -214,6 +214,8 @@ class Scheduler:
                         del self._handles[action.request_id]
             elif isinstance(action, SendStep):
                 self._start(self._run_step, action)
+            elif isinstance(action, CutStep):
+                self._start(self._cut, action)
             elif isinstance(action, StartTransfer):
                 self._start(self._transfer, action)
             elif isinstance(action, WatchQuiet):
@@ -247,6 +249,15 @@ class Scheduler:
             reply = StepFailed(action.message.step_id, f"{type(e).__name__}: {e}")
         self.core.step_replied(action.worker, reply, time.monotonic())
         self._carry_out()
+
+    async def _cut(self, action: CutStep) -> None:
+        """Ask for a step to be cut; whatever becomes of it, its reply settles it (`_run_step`)."""
+        channel = self._channels.get(action.worker)
+        try:
+            if channel is not None:
+                await channel.cut(action.step_id)
+        except Exception as e:  # a lost worker is noticed by its step's call
+            log.debug("%s worker: asking to cut step %d failed: %r", action.worker, action.step_id, e)
 
     async def _transfer(self, action: StartTransfer) -> None:
         """Move the prompt's KV to the decode pool (the core emits the first token once it landed)."""

@@ -54,6 +54,9 @@ class SchedulerMetrics:
                                   ["reason"], registry=r)
         self.preemptions = Counter("kvfence_preemptions", "Running requests sent back to the queue to be "
                                    "recomputed because the decode pool ran out", registry=r)
+        self.steps_cut = Counter("kvfence_steps_cut", "Steps of prompt chunks stopped between layers so that a "
+                                 "prompt of another group waiting for its first token went first, by worker",
+                                 ["worker"], registry=r)
         self.quarantine_age = Gauge("kvfence_kv_quarantine_age_seconds",
                                     "How long the oldest quarantine of a pool has lasted (0: none)", ["worker"],
                                     registry=r)
@@ -63,6 +66,9 @@ class SchedulerMetrics:
 
     def preempted(self) -> None:
         self.preemptions.inc()
+
+    def step_cut(self, worker: str) -> None:
+        self.steps_cut.labels(worker).inc()
 
     def integrity_violation(self, worker: str, check: str = "owner_tag") -> None:
         self.integrity_violations.labels(worker, check).inc()

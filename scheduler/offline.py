@@ -19,7 +19,7 @@ from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.worker import Worker
-from kvfence.scheduler.actions import Emit, SendStep
+from kvfence.scheduler.actions import CutStep, Emit, SendStep
 from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.core import SchedulerCore
 from kvfence.scheduler.errors import AdmissionRejected
@@ -92,6 +92,8 @@ class OfflineEngine:
                     texts[i] += action.delta.text
                     tokens[i] += action.delta.token_ids
                     reasons[i] = action.delta.finish_reason or reasons[i]
+                elif isinstance(action, CutStep):
+                    pass  # each step ran whole before the core heard of it: there is nothing to cut
                 else:  # transfers and their quarantines exist only between two pools
                     raise RuntimeError(f"the offline engine cannot carry out {type(action).__name__}")
         # the core sent the last releases to the idle worker as soon as they were made: the pool is clean

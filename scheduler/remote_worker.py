@@ -26,7 +26,7 @@ import anyio.abc
 from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerLost, WorkerReply
 from kvfence.engine.remote.protocol import (
     CALL_DEADLINE_S, DEFAULT_WORKER_TIMEOUT_S, HANDSHAKE_LABEL, MAX_WORKER_TIMEOUT_S, PREFIX_BYTES, Answer,
-    AnswerBody, Arm, AwaitVerdict, Call, CallBody, Cancel, Describe, Description, Done, Failure, Paired, PairWith,
+    AnswerBody, Arm, AwaitVerdict, Call, CallBody, Cancel, Cut, Describe, Description, Done, Failure, Paired, PairWith,
     Ping, Push, Reference, Tokens, Verdict, WaitQuiet, body_length, decode_answer, frame,
 )
 from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult
@@ -108,6 +108,10 @@ class RemoteWorker:
         if isinstance(answer, StepDone | StepFailed):
             return answer
         return StepFailed(request.step_id, _message(answer))
+
+    async def cut(self, step_id: int) -> None:
+        """`WorkerChannel.cut`: a call of its own, answered beside the step it names."""
+        await self.ask(Cut(step_id))
 
     async def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
         """The greedy continuation of `prompt` on the worker's model alone (the readiness canary's answer)."""

@@ -29,6 +29,9 @@ class Step:
     decodes: list[Request]
     chunks: list[tuple[Request, SeqStep]]
     seqs: list[SeqStep]
+    step_id: int = 0  # RunStep.step_id
+    cuttable: bool = False  # RunStep.cuttable
+    cut_asked: bool = False  # a CutStep was sent for it
 
     @property
     def requests(self) -> list[Request]:

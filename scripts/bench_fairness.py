@@ -7,7 +7,8 @@ after another, alone; then the flood tenant keeps `--flood` streamed chats of `-
 tokens in flight (more than the server's running slots, so its requests queue; from a process of
 its own; `--flood-words` makes their prompts long) while the quiet tenant sends the same probes
 again, one a second. Every prompt is unique (no prefix-cache hit on either side). Prints the quiet
-tenant's p50 / p99 time to first token in both phases and their ratio.
+tenant's p50 / p99 time to first token in both phases and their ratio, and how many of the flood's
+prompt steps were cut for a quiet first token (`kvfence_steps_cut`).
 
     .venv/bin/python scripts/bench_fairness.py [--probes 20] [--flood 24] [--server-arg=--max-running=8]
 """
@@ -20,6 +21,7 @@ import itertools
 import json
 import multiprocessing
 import multiprocessing.synchronize
+import re
 import secrets
 import sys
 import tempfile
@@ -101,18 +103,21 @@ def main() -> int:
     parser.add_argument("--server-arg", action="append", default=[])
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp())
-    keys = write_keys(workdir / "keys.toml", ["flood", "quiet"])
+    keys = write_keys(workdir / "keys.toml", ["flood", "quiet"], admin=True)
     proc, url = start(["--api-keys", str(workdir / "keys.toml"), "--canary-interval", "3600", *args.server_arg],
                       workdir / "server.log")
     try:
         alone, beside = asyncio.run(measure(url, keys, args))
+        metrics = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {keys['admin']}"}, timeout=10).text
     finally:
         stop(proc)
+    cuts = sum(float(v) for v in re.findall(r"^kvfence_steps_cut_total\{[^}]*\} (\S+)$", metrics, re.M))
     a50, a99, b50, b99 = (percentile(alone, 0.5), percentile(alone, 0.99), percentile(beside, 0.5),
                           percentile(beside, 0.99))
     print(f"quiet tenant, time to first token (s): alone p50 {a50:.3f} p99 {a99:.3f} ({len(alone)}); "
           f"beside {args.flood} flood streams p50 {b50:.3f} p99 {b99:.3f} ({len(beside)}); p99 ratio {b99 / a99:.2f}")
     print("slowest beside the flood (s):", " ".join(f"{t:.3f}" for t in sorted(beside)[-8:]))
+    print(f"steps of the flood's prompts cut for a quiet first token: {cuts:.0f}")
     return 0
 
 

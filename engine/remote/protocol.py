@@ -110,6 +110,13 @@ class WaitQuiet(msgspec.Struct, frozen=True, tag="wait_quiet"):
     transfer_id: str
 
 
+class Cut(msgspec.Struct, frozen=True, tag="cut"):
+    """Stop step `step_id` between two layers if it is running and cuttable (WorkerChannel.cut),
+    answered `Done` at once, beside the step it names (whose own answer says whether it was cut)."""
+
+    step_id: int
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping"):
     """Keep-alive: answered `Done` at once, beside any step or transfer that is running (so a
     worker that stops answering it is stopped, partitioned or gone, not busy)."""
@@ -142,7 +149,7 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     message: str
 
 
-CallBody = RunStep | Describe | PairWith | Arm | AwaitVerdict | Push | Cancel | WaitQuiet | Reference | Ping
+CallBody = RunStep | Describe | PairWith | Arm | AwaitVerdict | Push | Cancel | WaitQuiet | Reference | Ping | Cut
 AnswerBody = StepDone | StepFailed | Description | Paired | Verdict | Done | Tokens | Failure
 
 

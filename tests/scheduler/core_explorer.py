@@ -6,7 +6,7 @@ each worker applies a message's releases, then its grants, keeps each lease's pa
 pages its steps send, then checks and writes the pages of every sequence it runs; the transport arms the real `ReceiverState`, and a transfer lands, fails
 quietly, or fails loud (its cancellation unacknowledged) and may then write late until it is
 reported quiet. `explore` runs a breadth-first search over every interleaving of the events a
-state enables (submit, abort, step reply, failed step, worker restart, transfer success, quiet
+state enables (submit, abort, step reply, failed step, step cut, worker restart, transfer success, quiet
 failure, loud failure, late write, quiet, tick, and — with a second decode worker — the loss of
 a worker), within budgets of each, deduplicating states, and checks the invariants of BRIEF.md
 after every event:
@@ -72,6 +72,7 @@ class Budget:
     failed_steps: int = 0
     failed_seqs: int = 0  # one seq of a step fails alone (engine/worker.py: its request ends, the rest go on)
     deferred_seqs: int = 0  # one sampling seq is left out untouched, to be sent again (its grammar compiles)
+    cuts: int = 0  # a cuttable step stops between layers: every seq deferred (RunStep.cuttable)
     ticks: int = 1
     transfer_faults: int = 1  # quiet or loud failures, in all
     flushes: int = 0  # POST /admin/flush_cache
@@ -140,6 +141,8 @@ class World:
                     for i in range(len(sim.message.seqs)):
                         out.append((f"seq {i} of the step on {name} fails alone",
                                     lambda name=name, i=i: self.reply(name, fail_seq=i)))
+                if self.budget.cuts and sim.message.cuttable:
+                    out.append((f"the step on {name} is cut", lambda name=name: self.reply(name, cut=True)))
                 if self.budget.deferred_seqs:
                     for i, seq in enumerate(sim.message.seqs):
                         if seq.sampling is not None:  # only a sampling step waits for a grammar
@@ -186,17 +189,20 @@ class World:
         self.budget.aborts -= 1
         self.core.abort(request_id, self.now)
 
-    def reply(self, name: str, fail: bool = False, fail_seq: int | None = None, defer_seq: int | None = None) -> None:
+    def reply(self, name: str, fail: bool = False, fail_seq: int | None = None, defer_seq: int | None = None,
+              cut: bool = False) -> None:
         sim = self.sims[name]
         msg, sim.message = sim.message, None
         assert msg is not None
+        if cut:
+            self.budget.cuts -= 1
         if fail:
             self.budget.failed_steps -= 1
         if fail_seq is not None:
             self.budget.failed_seqs -= 1
         if defer_seq is not None:
             self.budget.deferred_seqs -= 1
-        self.core.step_replied(name, sim.run(msg, fail, fail_seq, defer_seq), self.now)
+        self.core.step_replied(name, sim.run(msg, fail, fail_seq, defer_seq, cut), self.now)
 
     def restart(self, name: str) -> None:
         self.budget.restarts -= 1
@@ -435,10 +441,12 @@ class Report:
     quiescent: int
     max_depth: int
     shared: int = 0  # states in which some request reads pages it shares from the prefix cache
+    cuts: int = 0  # transitions that cut a step short
 
     def __str__(self) -> str:
         return (f"{self.states} states, {self.transitions} transitions, {self.quiescent} quiescent, "
-                f"deepest path {self.max_depth} events" + (f", {self.shared} sharing" if self.shared else ""))
+                f"deepest path {self.max_depth} events" + (f", {self.shared} sharing" if self.shared else "")
+                + (f", {self.cuts} cuts" if self.cuts else ""))
 
 
 def explore(make: Callable[[], World], max_states: int = 200_000) -> Report:
@@ -455,7 +463,7 @@ def _bfs(make: Callable[[], World], max_states: int) -> Report:
     root = make()
     seen = {root.fingerprint()}
     frontier: deque[tuple[World, list[str]]] = deque([(root, [])])
-    transitions = quiescent = depth = shared = 0
+    transitions = quiescent = depth = shared = cuts = 0
     while frontier:
         world, trace = frontier.popleft()
         depth = max(depth, len(trace))
@@ -476,13 +484,14 @@ def _bfs(make: Callable[[], World], max_states: int) -> Report:
 
             _checked(run, path)
             transitions += 1
+            cuts += name.endswith(" is cut")
             key = child.fingerprint()
             if key not in seen:
                 seen.add(key)
                 if len(seen) > max_states:
                     raise RuntimeError(f"more than {max_states} states: tighten the budget")
                 frontier.append((child, path))
-    return Report(len(seen), transitions, quiescent, depth, shared)
+    return Report(len(seen), transitions, quiescent, depth, shared, cuts)
 
 
 def _checked(fn: Callable[[], None], trace: list[str]) -> None:

@@ -35,11 +35,12 @@ class SimWorker:
         return f"{self.name}-{self.incarnation}"
 
     def run(self, msg: RunStep, fail: bool = False, fail_seq: int | None = None,
-            defer_seq: int | None = None) -> WorkerReply:
+            defer_seq: int | None = None, cut: bool = False) -> WorkerReply:
         """Apply `msg` as engine/worker.py does; `fail`: its forward fails after the tag changes
         were applied (a worker that cannot apply them restarts instead); `fail_seq`: that seq
         fails alone after its forward ran (it gets no token, the others carry on); `defer_seq`:
-        that seq is left out untouched, its page table extended (its grammar is compiling)."""
+        that seq is left out untouched, its page table extended (its grammar is compiling); `cut`:
+        the step (sent cuttable) stops between layers, every seq deferred, no write counted."""
         if msg.incarnation and msg.incarnation != self.inc():
             return StepFailed(msg.step_id, "restarted", self.inc(), stale_incarnation=True)
         for page in msg.released:
@@ -69,6 +70,11 @@ class SimWorker:
             self.page_tables.setdefault(seq.lease, []).extend(seq.new_pages)
         if fail:
             return StepFailed(msg.step_id, "injected", self.inc())
+        if cut:
+            if not msg.cuttable:
+                raise Broken(f"{self.name} worker: step {msg.step_id} cut, but not sent cuttable")
+            return StepDone(msg.step_id, [None] * len(msg.seqs), incarnation=self.inc(),
+                            deferred=list(range(len(msg.seqs))), cut=True)
         tokens: list[int | None] = []
         for i, seq in enumerate(msg.seqs):
             if i == defer_seq:

@@ -15,6 +15,7 @@ from core_explorer import Budget, Report, Violation, explore
 from explorer_setup import Setup, explore_setup
 
 from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core import SchedulerCore
 
 SHARED_PROMPTS = ((5, 6, 7), (5, 6, 7))  # one full page alike: the second can share the first's
@@ -37,7 +38,9 @@ def runs(tiny: Checkpoint) -> dict[str, Setup]:
     suite). The seq-failure runs fail any one seq of any step alone (a dead-end grammar, a seq the
     worker could not build): its request ends at that point, whatever state it is in, and the
     other request carries on; and leave any one sampling seq out of its step untouched (its
-    grammar still compiling on the worker): it is sent again as it was."""
+    grammar still compiling on the worker): it is sent again as it was. The cut run stops any one
+    step of chunks sent cuttable short (RunStep.cuttable; outputs of 3 tokens, so the second
+    request prefills while the first decodes; six pages, so both fit): its seqs go again as they were."""
     ckpt = tiny.source
     return {
         "disaggregated-shared-prefix": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0,
@@ -57,6 +60,9 @@ def runs(tiny: Checkpoint) -> dict[str, Setup]:
                                            samples=2),
         "disaggregated-seq-failure": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=0, ticks=0,
                                                                 failed_seqs=1, deferred_seqs=1), chunk=2),
+        "disaggregated-cut": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0, cuts=1),
+                                   chunk=2, pages=6,
+                                   params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
         "colocated-seq-failure": Setup(ckpt, False, Budget(restarts=0, transfer_faults=0, aborts=1, ticks=0,
                                                            failed_seqs=1, deferred_seqs=1), chunk=2),
         "colocated-two-samples": Setup(ckpt, False, Budget(restarts=1, transfer_faults=0, aborts=1, ticks=0,
@@ -87,13 +93,15 @@ def explored(explorations: dict[str, Future[Report]], name: str, capsys: pytest.
 
 @pytest.mark.parametrize("name", ["disaggregated-faults", "disaggregated-chunked", "colocated",
                                   "disaggregated-shared-prefix", "colocated-shared-prefix",
-                                  "disaggregated-seq-failure", "colocated-seq-failure"])
+                                  "disaggregated-seq-failure", "colocated-seq-failure", "disaggregated-cut"])
 def test_every_interleaving_keeps_the_invariants(explorations: dict[str, Future[Report]], name: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     report = explored(explorations, name, capsys)
     assert report.quiescent > 0 and report.states > 100
     if "shared-prefix" in name:
         assert report.shared > 0  # some path did read a page another request sealed
+    if name == "disaggregated-cut":
+        assert report.cuts > 0  # some path cut a step of chunks short
 
 
 @pytest.mark.parametrize("name", ["disaggregated-two-samples", "colocated-two-samples"])

@@ -24,9 +24,9 @@ from core_explorer import Budget, World
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.protocol import RunStep
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.actions import Action, SendStep
+from kvfence.scheduler.actions import Action, CutStep, SendStep
 from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.request import State
+from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.tenants import Tenant
 
 CHUNK, RUNNING = 8, 8
@@ -48,6 +48,8 @@ class OneComputeThread:
         self.rows = 0
         self.steps: list[tuple[str, RunStep]] = []
         self.sent: list[tuple[str, RunStep, list[RunStep]]] = []  # each step sent, with the steps queued then
+        self.cut_asked: set[tuple[str, int]] = set()  # (worker, step id) of each CutStep
+        self.cuts = 0
         take = world.core.take_actions
 
         def take_in_order() -> list[Action]:
@@ -56,6 +58,8 @@ class OneComputeThread:
                 if isinstance(a, SendStep):
                     self.sent.append((a.worker, a.message, [m for _, m in self.queued]))
                     self.fifo.append((a.worker, a.message))
+                elif isinstance(a, CutStep):
+                    self.cut_asked.add((a.worker, a.step_id))
             self._pick()
             return actions
 
@@ -82,12 +86,16 @@ class OneComputeThread:
             w.carry_out()
 
     def run_one(self) -> None:
+        """The step the device runs ends: whole, or, if it was asked to stop (CutStep) and was sent
+        cuttable, at once (its rows not counted: it stops at the next of its layers)."""
         assert self.current is not None
         (name, msg), self.current = self.current, None
-        self.rows += sum(len(s.token_ids) for s in msg.seqs)
+        cut = msg.cuttable and (name, msg.step_id) in self.cut_asked
+        self.cuts += cut
+        self.rows += 0 if cut else sum(len(s.token_ids) for s in msg.seqs)
         self.steps.append((name, msg))
         self._pick()  # the device goes on before the reply is read
-        self.world.reply(name)
+        self.world.reply(name, cut=cut)
         self.settle()
 
     def first_token(self, request_id: str) -> bool:
@@ -215,6 +223,69 @@ def test_while_contended_a_first_token_waits_for_the_step_running_and_its_own_pr
     while not drive.first_token(quiet.request_id):
         drive.run_one()
     assert drive.rows - before <= running + 6, (drive.rows - before, running)
+
+
+@pytest.mark.parametrize("contended", [False, True], ids=["first-in-a-while", "contended"])
+def test_a_first_token_never_waits_for_the_rest_of_a_step_of_another_groups_prompts(tiny: Checkpoint,
+                                                                                      contended: bool) -> None:
+    """Chunks of 32 tokens (16 while contended), flood prompts of 20 tokens, the flood sending all
+    along: whenever the step the device runs is a step of the flood's prompts (sent cuttable: the
+    flood is decoding), a quiet request that comes has it cut (CutStep) and waits for the rows of
+    its own prompt, plus, when the server was not contended, the steps queued behind the one cut
+    (uncontended, steps queue on the device) — never for the flood's 20 to 32 rows of the step cut.
+    The chunks cut go again, and every request ends with all its tokens and pages. Contended, the
+    flood holds every running slot and queues more; the first request in a while finds a slot free
+    (with none free, both workers' steps in flight hold every request that could give one up)."""
+    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING if contended else 64,
+                             max_queue=64,
+                             chunk_tokens=32, contended_chunk_tokens=16, disaggregated=True, queue_timeout_s=3600,
+                             heartbeat_s=3600)
+    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
+                                                           transfer_faults=0), device="cpu")
+    drive = OneComputeThread(w)
+
+    def flood_request(i: int) -> Request:
+        return w.core.submit([5 + i % 50] + [6 + i % 7] * 19, LONG, w.now, tenant=FLOOD)
+
+    reqs = [flood_request(i) for i in range(4 * RUNNING)]
+    if contended:  # the quiet tenant sent a request lately
+        reqs.append(w.core.submit([90, 91], SHORT, w.now, tenant=QUIET))
+    drive.settle()
+    waits, allowed, cut_rows = [], [], []
+    for probe in range(8):
+        while any(r.tenant == "quiet" and not r.state.terminal for r in reqs):
+            drive.run_one()  # the quiet tenant sends one request at a time
+        last_sent = drive.sent[-1][1].step_id
+        if not contended:
+            w.now += config.contention_window_s + 1  # the quiet tenant's first request in a while
+        reqs.append(flood_request(probe))  # the flood keeps sending
+        drive.settle()
+        for _ in range(60):  # a step of the flood's prompts sent since, running
+            if drive.current and drive.current[0] == "prefill" and drive.current[1].cuttable and \
+                    drive.current[1].step_id > last_sent:
+                break
+            drive.run_one()
+        else:
+            raise AssertionError("no step of the flood's prompts was sent cuttable")
+        cut_rows.append(sum(len(s.token_ids) for s in drive.current[1].seqs))
+        queued = sum(len(s.token_ids) for _, m in drive.fifo for s in m.seqs)
+        quiet = w.core.submit([60 + probe, 61, 62, 63, 64, 65], SHORT, w.now, tenant=QUIET)
+        reqs.append(quiet)
+        drive.settle()
+        before = drive.rows
+        while not drive.first_token(quiet.request_id):
+            drive.run_one()
+        waits.append(drive.rows - before)
+        allowed.append(6 + queued)
+
+    assert all(wait <= bound for wait, bound in zip(waits, allowed)), (waits, allowed, cut_rows)
+    if contended:
+        assert waits == [6] * len(waits), (waits, cut_rows)  # nothing queues on the device while contended
+    assert drive.cuts == len(waits) and max(cut_rows) >= (16 if contended else 20), cut_rows
+    while drive.current is not None:
+        drive.run_one()
+    assert all(r.state is State.FINISHED and r.num_generated == r.params.max_tokens for r in reqs)
+    assert w.core.pages_in_use() == {name: 0 for name in w.core.pages_in_use()}
 
 
 def test_a_prefill_worker_waiting_for_its_turn_is_never_starved(tiny: Checkpoint) -> None:

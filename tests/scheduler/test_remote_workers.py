@@ -32,7 +32,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.offline import OfflineEngine
-from kvfence.engine.protocol import WorkerLost
+from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, WorkerLost
 from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.core.secret import DeploymentSecret
 
@@ -157,6 +157,28 @@ async def test_workers_that_cannot_serve_together_are_refused_with_the_reason(ti
                 check_worker(w, MODEL_ID, PAGE * 2)
         for w in workers:
             w.close()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_cut_crosses_the_control_connection_and_the_step_comes_back_deferred(tiny: Checkpoint) -> None:
+    """`RemoteWorker.cut` reaches the worker beside its steps (answered at once): a cuttable step
+    it names stops before its first layer and its reply, over the wire, defers every seq; sent
+    again, the seq gets its token; a step not named runs whole."""
+    secret = DeploymentSecret.generate()
+    lease, pages = (5 << 80) | 3, [0, 1, 2]
+    seq = SeqStep(lease, PROMPTS[0], 0, pages, SamplingSpec(temperature=0))
+    async with anyio.create_task_group() as tg:
+        hosted = await host_pair(tg, tiny, secret)
+        prefill = await RemoteWorker.connect(tg, hosted[0].address, secret, front_key=FRONT)
+        await prefill.cut(1)
+        cut = await prefill.call(RunStep(1, [seq], grants=[PageGrant(lease, pages, tenant="t")], cuttable=True))
+        assert isinstance(cut, StepDone) and cut.cut and cut.deferred == [0] and cut.tokens == [None]
+        again = await prefill.call(RunStep(2, [SeqStep(lease, PROMPTS[0], 0, [], seq.sampling)], cuttable=True))
+        assert isinstance(again, StepDone) and not again.cut and again.tokens == [offline(tiny)[0][0]]
+        done = await prefill.call(RunStep(3, [], released=pages, ended=[lease]))
+        assert isinstance(done, StepDone) and hosted[0].tags() == [0] * PAGES
+        prefill.close()
         tg.cancel_scope.cancel()
 
 
