@@ -262,6 +262,8 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         if done is not None:
             if done.cut:
                 self.metrics.step_cut(w.name)
+                for req, _ in step.chunks:
+                    req.chunk_cut = True  # at most once a chunk: other groups' first tokens cost it one try
             deferred = set(done.deferred)  # left out (a grammar compiling, or the step cut): sent again
             for i in deferred:
                 step.requests[i].counted_lease = 0  # their history goes again with them
@@ -277,6 +279,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
                     continue
                 req.prompt_logprobs += scored
                 req.prefilled += len(seq.token_ids)
+                req.chunk_cut = False
                 self.metrics.prefill(req, len(seq.token_ids))
                 if token is not None:
                     self._prefilled(req, token, lp, now)
@@ -378,8 +381,10 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         """Ask each worker whose step in flight carries only other groups' prompt chunks to stop
         it between layers (CutStep) while a prompt of a group with nothing decoding waits for its
         first token on it: that prompt's own step then goes next, not after the rest of a chunk
-        (up to a whole 128 tokens uncontended). The chunks cut go again as they were; a group
-        alone is never cut for its own requests (`waits_for_first_token`)."""
+        (up to a whole 128 tokens uncontended). The chunks cut go again as they were, and whole:
+        a chunk is cut once at most (`Request.chunk_cut`), so however many first tokens other
+        groups send, each chunk costs its request at most one step's work more. A group alone is
+        never cut for its own requests (`waits_for_first_token`)."""
         for w in self.workers:
             step = w.in_flight
             if step is not None and step.cuttable and not step.cut_asked and first_token_on(w, self._running):
@@ -413,7 +418,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
                                           self.config.held_back_tokens)
         if seqs or chunks or w.table.has_pending:
             self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now, urgent=urgent,
-                       cuttable=bool(chunks) and not seqs and not urgent)
+                       cuttable=bool(chunks) and not seqs and not urgent and not any(r.chunk_cut for r, _ in chunks))
 
     def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
               seqs: list[SeqStep], now: float, *, urgent: bool = False, cuttable: bool = False) -> None:

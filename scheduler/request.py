@@ -91,6 +91,7 @@ class Request:
     counted_lease: int = 0  # penalized: the lease whose worker counts its tokens (scheduler/policy.py)
     prefill_done_s: float = 0.0  # when the prefill sampled the first token (disaggregated)
     stepping: bool = False  # part of a step in flight to a worker
+    chunk_cut: bool = False  # its last prompt chunk was cut short (StepDone.cut): the next runs whole
     transfer: int = 0  # the key of its KV transfer while one is started (0: none)
     pending_end: RequestError | None = None  # an end asked for that waits until nothing touches its pages
     pending_retry: bool = False  # a worker of its pair was lost: retried once nothing touches its pages
@@ -154,7 +155,7 @@ class Request:
         else:
             self.preemptions += 1
         self.attempt += 1
-        self.pair, self.pending_retry = None, False
+        self.pair, self.pending_retry, self.chunk_cut = None, False, False
         self.prefill_target = len(self.tokens)
         self.prefilled = self.decoded_context = self.shared_prefill = self.shared_decode = 0
         self.prefill_pages, self.decode_pages = [], []

@@ -233,16 +233,19 @@ class Reservation:
     def _make_slot_for_share(self, req: Request, now: float) -> bool:
         """Every running slot is taken and `req` is next: when another group holds more slots for
         its weight than `req`'s group would with one more (still at least as many after giving
-        one up), preempt that group's newest request that can be (scheduler/preemption.py) and
-        say True; so a tenant under its share gets a slot as soon as it asks, from the tenant
-        most over its share, and shares even out without taking slots back and forth."""
+        one up), preempt that group's request preempted least often, the newest among those, that
+        can be (scheduler/preemption.py) and say True; so a tenant under its share gets a slot as
+        soon as it asks, from the tenant most over its share, and shares even out without taking
+        slots back and forth. Least often first: the one preempted goes back to the front of the
+        queue and runs again as the newest of its group, so newest first alone would take the
+        same request back for each of a stream of requests until `max_preemptions` ended it."""
         running = self._running_per_share()
         mine = (running.get(req.share, 0) + 1) / req.weight
         candidates = [r for w in self.workers for r in self._preemptible(w)
                       if r.share != req.share and not r.priority and (running[r.share] - 1) / r.weight >= mine]
         if not candidates:
             return False
-        victim = max(candidates, key=lambda r: (running[r.share] / r.weight, r.arrival))
+        victim = max(candidates, key=lambda r: (running[r.share] / r.weight, -r.preemptions, r.arrival))
         self._preempt(victim, now, f"its running slot went to {req.who}, whose group runs fewer for its weight")
         return True
 

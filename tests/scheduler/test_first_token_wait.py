@@ -288,6 +288,38 @@ def test_a_first_token_never_waits_for_the_rest_of_a_step_of_another_groups_prom
     assert w.core.pages_in_use() == {name: 0 for name in w.core.pages_in_use()}
 
 
+def test_a_chunk_is_cut_once_at_most_however_many_first_tokens_come(tiny: Checkpoint) -> None:
+    """A quiet tenant sending one-token requests one after another, each while a step of the
+    flood's prompts runs, would cut every such step (its group never has anything decoding): the
+    chunks a cut step carried go again whole (not cuttable), so each costs its request one try
+    more at most, and the flood still finishes."""
+    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
+                             chunk_tokens=32, contended_chunk_tokens=16, disaggregated=True, queue_timeout_s=3600,
+                             heartbeat_s=3600)
+    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
+                                                           transfer_faults=0), device="cpu")
+    drive = OneComputeThread(w)
+    reqs = [w.core.submit([5 + i % 50] + [6 + i % 7] * 19, LONG, w.now, tenant=FLOOD) for i in range(3 * RUNNING)]
+    one = dataclasses.replace(SHORT, max_tokens=1)
+    drive.settle()
+    while drive.current is not None:
+        name, msg = drive.current
+        if name == "prefill" and msg.seqs and not msg.urgent and len(reqs) < 200:
+            reqs.append(w.core.submit([60 + len(reqs) % 30, 61, 62], one, w.now, tenant=QUIET))
+            drive.settle()
+        drive.run_one()
+    cut = {(n, m.step_id) for n, m in drive.steps if m.cuttable and (n, m.step_id) in drive.cut_asked}
+    assert len(cut) == drive.cuts > 10
+    for i, (name, msg) in enumerate(drive.steps):
+        if (name, msg.step_id) not in cut:
+            continue
+        leases = {s.lease for s in msg.seqs}
+        again = next(m for n, m in drive.steps[i + 1:] if n == "prefill" and leases & {s.lease for s in m.seqs})
+        assert not again.cuttable, f"the chunks of cut step {msg.step_id} were sent cuttable again"
+    assert all(r.state is State.FINISHED and r.num_generated == r.params.max_tokens for r in reqs)
+    assert w.core.pages_in_use() == {name: 0 for name in w.core.pages_in_use()}
+
+
 def test_a_prefill_worker_waiting_for_its_turn_is_never_starved(tiny: Checkpoint) -> None:
     """One prefill and two decode workers on one device, contended the whole run (a quiet
     request every few steps beside a flood of 48): every request ends with its tokens, and a
