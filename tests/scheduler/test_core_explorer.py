@@ -60,7 +60,7 @@ def runs(tiny: Checkpoint) -> dict[str, Setup]:
                                            samples=2),
         "disaggregated-seq-failure": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=0, ticks=0,
                                                                 failed_seqs=1, deferred_seqs=1), chunk=2),
-        "disaggregated-cut": Setup(ckpt, True, Budget(restarts=0, transfer_faults=1, aborts=1, ticks=0, cuts=1),
+        "disaggregated-cut": Setup(ckpt, True, Budget(restarts=0, transfer_faults=0, aborts=1, ticks=0, cuts=1),
                                    chunk=2, pages=6,
                                    params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
         "colocated-seq-failure": Setup(ckpt, False, Budget(restarts=0, transfer_faults=0, aborts=1, ticks=0,
