@@ -34,7 +34,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.engine.protocol import WorkerLost
-from kvfence.engine.remote.protocol import DEFAULT_WORKER_TIMEOUT_S
+from kvfence.engine.remote.protocol import DEFAULT_WORKER_TIMEOUT_S, PROTOCOL_VERSION
 from kvfence.scheduler.remote_worker import RemoteReceivingEnd, RemoteSendingEnd, RemoteWorker
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.transports.base import PairingRefused
@@ -77,10 +77,13 @@ async def connect_when_up(tg: anyio.abc.TaskGroup, address: str, secret: Deploym
 
 
 def check_worker(worker: RemoteWorker, model_id: str, page_size_tokens: int) -> None:
-    """WorkerSetError when `worker` cannot serve with this front end: not a prefill or decode
-    worker, another model, another page size, or no KV endpoint."""
+    """WorkerSetError when `worker` cannot serve with this front end: another control protocol
+    version, not a prefill or decode worker, another model, another page size, or no KV endpoint."""
     d = worker.description
     assert d is not None
+    if d.protocol != PROTOCOL_VERSION:
+        raise WorkerSetError(f"the worker at {worker.address} speaks control protocol {d.protocol}, this front end "
+                             f"{PROTOCOL_VERSION}: run the same kvfence version in every process")
     if d.role not in ("prefill", "decode"):
         raise WorkerSetError(f"the worker at {worker.address} is {d.role}: a front end drives prefill and decode "
                              "workers (start them with --role prefill or --role decode)")

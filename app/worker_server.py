@@ -37,9 +37,9 @@ from kvfence.engine.compute import ComputeThread
 from kvfence.engine.protocol import RunStep
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.remote.protocol import (
-    HANDSHAKE_LABEL, PREFIX_BYTES, SCHEDULER_SILENCE_S, Answer, AnswerBody, Arm, AwaitVerdict, Call, Cancel, Cut,
-    Describe, Description, Done, Failure, Paired, PairWith, Ping, Push, Reference, Tokens, Verdict, WaitQuiet,
-    body_length, decode_call, frame,
+    HANDSHAKE_LABEL, PREFIX_BYTES, PROTOCOL_VERSION, SCHEDULER_SILENCE_S, Answer, AnswerBody, Arm, AwaitVerdict, Call,
+    Cancel, Cut, Describe, Description, Done, Failure, Paired, PairWith, Ping, Push, Reference, Tokens, Verdict,
+    WaitQuiet, body_length, decode_call, frame,
 )
 from kvfence.engine.worker import Worker
 from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, Peer, Transport
@@ -109,7 +109,7 @@ class WorkerServer:
         pool = self.worker.pool
         return Description(self.worker.role, self.worker.incarnation, str(self.worker.device), self.model,
                            pool.num_pages, pool.page_size_tokens, self.max_context_tokens,
-                           self.endpoint.info if self.endpoint is not None else None)
+                           self.endpoint.info if self.endpoint is not None else None, PROTOCOL_VERSION)
 
     async def serve(self, listener: socket.socket, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Accept on `listener` until cancelled."""

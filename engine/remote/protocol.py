@@ -34,6 +34,10 @@ from kvfence.engine.protocol import RunStep, StepDone, StepFailed
 from kvfence.transports.base import EndpointInfo, PairingRecord, TransferManifest
 
 HANDSHAKE_LABEL = "control"  # the handshake's transport label: a control proof is not a KV transport's
+# The control protocol's version, in every `Description`: raised whenever a call or an answer is
+# added or changes, because a worker drops the connection on a frame it cannot decode. A front end
+# drives workers of its own version only (app/remote_front.py: check_worker). 2: `Cut`.
+PROTOCOL_VERSION = 2
 MAX_CONTROL_FRAME = 64 << 20  # bytes of one frame's body (a prefill chunk, its grants and pages)
 _LEN = struct.Struct(">I")
 CALL_DEADLINE_S = 120.0  # a call unanswered this long, while pings are answered: a stuck device
@@ -59,6 +63,7 @@ class Description(msgspec.Struct, frozen=True, tag="description"):
     page_size_tokens: int
     max_context_tokens: int  # the longest request its pool holds
     endpoint: EndpointInfo | None
+    protocol: int = 0  # the worker's PROTOCOL_VERSION (0: a worker from before versions were sent)
 
 
 class PairWith(msgspec.Struct, frozen=True, tag="pair_with"):

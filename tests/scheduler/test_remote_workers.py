@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 
 import anyio
+import msgspec
 import pytest
 import torch
 from front_keys import FRONT
@@ -155,6 +156,11 @@ async def test_workers_that_cannot_serve_together_are_refused_with_the_reason(ti
                 check_worker(w, "another-model", PAGE)
             with pytest.raises(WorkerSetError, match="same --page-size"):
                 check_worker(w, MODEL_ID, PAGE * 2)
+            described = w.description
+            w.description = msgspec.structs.replace(described, protocol=0)  # a worker from before versions
+            with pytest.raises(WorkerSetError, match="control protocol 0, this front end .*same kvfence version"):
+                check_worker(w, MODEL_ID, PAGE)
+            w.description = described
         for w in workers:
             w.close()
         tg.cancel_scope.cancel()
