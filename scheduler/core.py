@@ -45,7 +45,7 @@ from kvfence.scheduler.config import SchedulerConfig
 from kvfence.scheduler.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.engine.logprobs import TokenLogprobs
-from kvfence.engine.protocol import RunStep, SeqStep, WorkerReply
+from kvfence.engine.protocol import RunStep, SeqStep
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.output import OutputDelta, TextOutput
 from kvfence.scheduler.policy import (RecentGroups, contended_chunks, decode_steps, first_token_on, grant_goes_ahead,
@@ -241,48 +241,6 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         if req is None or req.pending_end is not None:
             return
         req.pending_end = error or client_closed()
-        self._schedule(now)
-
-    def step_replied(self, worker: str, reply: WorkerReply, now: float) -> None:
-        """The worker named `worker` answered its step in flight."""
-        w = next((o for o in self.workers if o.name == worker), None)
-        if w is None:  # lost while its step was in flight: its requests were settled then
-            return
-        step, w.in_flight = w.in_flight, None
-        if step is None:
-            raise RuntimeError(f"a reply from the {worker} worker, which has no step in flight")
-        w.table.answered(step.number)
-        if reply.draining and not w.draining:
-            w.draining, self._pairs_changed = True, True
-            log.info("the %s worker %s is draining: nothing new starts on it; %d pairs still take requests",
-                     w.role, w.name, len(self.serving_pairs))
-        for req in step.requests:
-            req.stepping = False
-        done = self._settle(w, step, reply, now)
-        if done is not None:
-            if done.cut:
-                self.metrics.step_cut(w.name)
-                for req, _ in step.chunks:
-                    req.chunk_cut = True  # at most once a chunk: other groups' first tokens cost it one try
-            deferred = set(done.deferred)  # left out (a grammar compiling, or the step cut): sent again
-            for i in deferred:
-                step.requests[i].counted_lease = 0  # their history goes again with them
-            logprobs = done.logprobs or [None] * len(done.tokens)
-            for req, token, lp in zip(step.decodes, done.tokens, logprobs):
-                if req.state is State.DECODING and token is not None:
-                    self._accept_token(req, token, lp, now)
-            n = len(step.decodes)
-            scores = done.prompt_logprobs or [[]] * len(done.tokens)
-            for j, ((req, seq), token, lp, scored) in enumerate(zip(step.chunks, done.tokens[n:], logprobs[n:],
-                                                                    scores[n:])):
-                if req.state.terminal or seq.lease != req.prefill_lease or n + j in deferred:
-                    continue
-                req.prompt_logprobs += scored
-                req.prefilled += len(seq.token_ids)
-                req.chunk_cut = False
-                self.metrics.prefill(req, len(seq.token_ids))
-                if token is not None:
-                    self._prefilled(req, token, lp, now)
         self._schedule(now)
 
     def transfer_finished(self, key: int, result: MoveResult, now: float, *, crashed: bool = False) -> None:

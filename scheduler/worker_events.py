@@ -1,4 +1,5 @@
-"""Workers as they come and go and what a step's reply says about its worker, part of the
+"""A step's reply (`step_replied`: tokens, chunks prefilled, seqs deferred or cut), workers as
+they come and go, and what a reply says about its worker, part of the
 scheduler core (no I/O, no clock: the time is passed in): pairs added while serving, a worker lost
 (its requests retried once or failed), a failed step, a step refused for an old incarnation, a
 worker seen to have restarted, and pages that failed their owner-tag or sanitizer check (that
@@ -25,6 +26,7 @@ from kvfence.scheduler.request import Request, State
 from kvfence.scheduler.worker_binding import Pair, Step, WorkerBinding
 
 if TYPE_CHECKING:
+    from kvfence.engine.logprobs import TokenLogprobs
     from kvfence.scheduler.config import SchedulerConfig
     from kvfence.scheduler.metrics import SchedulerMetrics
 
@@ -46,6 +48,50 @@ class WorkerEvents:
 
         def _end(self, req: Request, error: RequestError | None, now: float, last: object = None) -> None: ...
         def _schedule(self, now: float) -> None: ...
+        def _accept_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None: ...
+        def _prefilled(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None: ...
+
+    def step_replied(self, worker: str, reply: WorkerReply, now: float) -> None:
+        """The worker named `worker` answered its step in flight."""
+        w = next((o for o in self.workers if o.name == worker), None)
+        if w is None:  # lost while its step was in flight: its requests were settled then
+            return
+        step, w.in_flight = w.in_flight, None
+        if step is None:
+            raise RuntimeError(f"a reply from the {worker} worker, which has no step in flight")
+        w.table.answered(step.number)
+        if reply.draining and not w.draining:
+            w.draining, self._pairs_changed = True, True
+            log.info("the %s worker %s is draining: nothing new starts on it; %d pairs still take requests",
+                     w.role, w.name, len(self.serving_pairs))
+        for req in step.requests:
+            req.stepping = False
+        done = self._settle(w, step, reply, now)
+        if done is not None:
+            if done.cut:
+                self.metrics.step_cut(w.name)
+                for req, _ in step.chunks:
+                    req.chunk_cut = True  # at most once a chunk: other groups' first tokens cost it one try
+            deferred = set(done.deferred)  # left out (a grammar compiling, or the step cut): sent again
+            for i in deferred:
+                step.requests[i].counted_lease = 0  # their history goes again with them
+            logprobs = done.logprobs or [None] * len(done.tokens)
+            for req, token, lp in zip(step.decodes, done.tokens, logprobs):
+                if req.state is State.DECODING and token is not None:
+                    self._accept_token(req, token, lp, now)
+            n = len(step.decodes)
+            scores = done.prompt_logprobs or [[]] * len(done.tokens)
+            for j, ((req, seq), token, lp, scored) in enumerate(zip(step.chunks, done.tokens[n:], logprobs[n:],
+                                                                    scores[n:])):
+                if req.state.terminal or seq.lease != req.prefill_lease or n + j in deferred:
+                    continue
+                req.prompt_logprobs += scored
+                req.prefilled += len(seq.token_ids)
+                req.chunk_cut = False
+                self.metrics.prefill(req, len(seq.token_ids))
+                if token is not None:
+                    self._prefilled(req, token, lp, now)
+        self._schedule(now)
 
     def add_pair(self, prefill: WorkerBinding, decode: WorkerBinding, max_context_tokens: int | None = None) -> Pair:
         """Serve on `prefill` -> `decode` from now on (their endpoints paired; each is added as a

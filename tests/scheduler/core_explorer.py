@@ -25,7 +25,8 @@ after every event:
 A lost worker drops its step in flight; a transfer touching it fails as the transfer link would
 see it (the lost end acknowledges nothing); its pool goes with it.
 
-BFS finds the shortest event trace that breaks an invariant; `Violation` carries it.
+`explorer_search.explore` runs the breadth-first search over a World; the shortest event trace that
+breaks an invariant comes back in its `Violation`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import logging
-from collections import deque
 from collections.abc import Callable
 
 from kvfence.engine.sampling import SamplingParams
@@ -49,17 +48,6 @@ from kvfence.scheduler.worker_binding import WorkerBinding
 from kvfence.transports.base import TransferManifest
 from kvfence.transports.core.receiver_state import ReceiverState
 from sim_worker import Broken, SimWorker
-
-
-
-class Violation(AssertionError):
-    def __init__(self, what: str, trace: list[str]) -> None:
-        super().__init__(f"{what}\nshortest trace ({len(trace)} events):\n  " + "\n  ".join(trace))
-        self.what = what
-        self.trace = trace
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return Violation, (self.what, self.trace)  # found in another process, raised in the test's
 
 
 @dataclasses.dataclass
@@ -388,7 +376,7 @@ class World:
 
     def _check_flush_returns_every_page(self) -> None:
         """Flushing the cache of a quiescent world frees and untags every page."""
-        world = copy.deepcopy(self, memo=_shared(self))
+        world = copy.deepcopy(self, memo=shared_memo(self))
         world.core.flush_cache(world.now)
         world.carry_out()
         while busy := [name for name, sim in world.sims.items() if sim.message is not None]:
@@ -434,76 +422,7 @@ class World:
                      [(r.pair.name if r and r.pair else None) for r in map(self.core.request, filter(None, self.submitted))]))
 
 
-@dataclasses.dataclass
-class Report:
-    states: int
-    transitions: int
-    quiescent: int
-    max_depth: int
-    shared: int = 0  # states in which some request reads pages it shares from the prefix cache
-    cuts: int = 0  # transitions that cut a step short
-
-    def __str__(self) -> str:
-        return (f"{self.states} states, {self.transitions} transitions, {self.quiescent} quiescent, "
-                f"deepest path {self.max_depth} events" + (f", {self.shared} sharing" if self.shared else "")
-                + (f", {self.cuts} cuts" if self.cuts else ""))
-
-
-def explore(make: Callable[[], World], max_states: int = 200_000) -> Report:
-    """Every interleaving of the events `make()`'s world enables, breadth first; raises Violation
-    with the shortest trace to a broken invariant."""
-    logging.disable(logging.CRITICAL)
-    try:
-        return _bfs(make, max_states)
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-def _bfs(make: Callable[[], World], max_states: int) -> Report:
-    root = make()
-    seen = {root.fingerprint()}
-    frontier: deque[tuple[World, list[str]]] = deque([(root, [])])
-    transitions = quiescent = depth = shared = cuts = 0
-    while frontier:
-        world, trace = frontier.popleft()
-        depth = max(depth, len(trace))
-        shared += world.sharing()
-        enabled = [name for name, _ in world.events()]
-        if not enabled:
-            quiescent += 1
-            _checked(world.check_quiescent, trace + ["(no event left)"])
-        for name in enabled:
-            child = copy.deepcopy(world, memo=_shared(world))
-            step = dict(child.events())[name]
-            path = trace + [name]
-
-            def run(child: World = child, step: Callable[[], None] = step) -> None:
-                step()
-                child.carry_out()
-                child.check()
-
-            _checked(run, path)
-            transitions += 1
-            cuts += name.endswith(" is cut")
-            key = child.fingerprint()
-            if key not in seen:
-                seen.add(key)
-                if len(seen) > max_states:
-                    raise RuntimeError(f"more than {max_states} states: tighten the budget")
-                frontier.append((child, path))
-    return Report(len(seen), transitions, quiescent, depth, shared, cuts)
-
-
-def _checked(fn: Callable[[], None], trace: list[str]) -> None:
-    try:
-        fn()
-    except (Broken, AssertionError, RuntimeError, ValueError, KeyError) as e:
-        if isinstance(e, Violation):
-            raise
-        raise Violation(f"{type(e).__name__}: {e}", trace) from e
-
-
-def _shared(world: World) -> dict[int, object]:
+def shared_memo(world: World) -> dict[int, object]:
     """What a copy of the world shares with the original: the tokenizer and the metrics."""
     return {id(world.core.tokenizer): world.core.tokenizer, id(world.core.metrics): world.core.metrics}
 

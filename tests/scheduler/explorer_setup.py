@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from core_explorer import Budget, Report, World, explore
+from core_explorer import Budget, World
+from explorer_search import Report, explore
 
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import pytest
-from core_explorer import Budget, Report, Violation, explore
+from core_explorer import Budget
+from explorer_search import Report, Violation, explore
 from explorer_setup import Setup, explore_setup
 
 from kvfence.engine.checkpoint import Checkpoint

@@ -102,12 +102,13 @@ class OneComputeThread:
         return any(e.delta.token_ids for e in self.world.deltas.get(request_id, ()))
 
 
-def world(tiny: Checkpoint, chunk: int, contended: int | None = None) -> World:
-    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
-                             chunk_tokens=chunk, contended_chunk_tokens=contended, disaggregated=True,
-                             queue_timeout_s=3600, heartbeat_s=3600)
-    return World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
-                                                                 transfer_faults=0), device="cpu")
+def world(tiny: Checkpoint, chunk: int, contended: int | None = None, decodes: int = 1, **config: object) -> World:
+    """Disaggregated workers on one device, pages to spare; `config`: more SchedulerConfig fields."""
+    fields: dict = dict(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
+                        chunk_tokens=chunk, contended_chunk_tokens=contended, disaggregated=True,
+                        queue_timeout_s=3600, heartbeat_s=3600)
+    return World(tiny.tokenizer, SchedulerConfig(**(fields | config)), 512, [], SHORT,
+                 Budget(requests=0, aborts=0, restarts=0, ticks=0, transfer_faults=0), decodes=decodes, device="cpu")
 
 
 def quiet_wait(tiny: Checkpoint, flood: int, chunk: int = CHUNK, after_steps: int = 40
@@ -163,11 +164,7 @@ def test_while_two_groups_are_active_a_group_already_decoding_prefills_short_ste
     window), the flood, which has requests decoding, prefills at most 8 tokens a step, so the next
     quiet request finds at most that much of it in flight, and the quiet prompt (waiting for its
     first token) goes whole in its step. Past the window, the flood gets the whole chunk again."""
-    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
-                             chunk_tokens=32, contended_chunk_tokens=8, disaggregated=True, queue_timeout_s=3600,
-                             heartbeat_s=3600)
-    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
-                                                           transfer_faults=0), device="cpu")
+    w = world(tiny, 32, 8)
     drive = OneComputeThread(w)
     for i in range(6 * RUNNING):
         w.core.submit([5 + i % 50] + [6 + i % 7] * 19, LONG, w.now, tenant=FLOOD)
@@ -192,7 +189,7 @@ def test_while_two_groups_are_active_a_group_already_decoding_prefills_short_ste
     assert [len(s.token_ids) for s in own[0].seqs if set(s.token_ids) <= set(quiet_prompt)] == [20]
     contended = flood_steps(30, quiet_prompt)
     assert contended and max(contended) <= 8, contended
-    w.now = 1.0 + config.contention_window_s + 1
+    w.now = 1.0 + w.config.contention_window_s + 1
     assert max(flood_steps(30, quiet_prompt)) > 8  # the quiet tenant went quiet: the whole chunk again
 
 
@@ -236,12 +233,7 @@ def test_a_first_token_never_waits_for_the_rest_of_a_step_of_another_groups_prom
     The chunks cut go again, and every request ends with all its tokens and pages. Contended, the
     flood holds every running slot and queues more; the first request in a while finds a slot free
     (with none free, both workers' steps in flight hold every request that could give one up)."""
-    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING if contended else 64,
-                             max_queue=64,
-                             chunk_tokens=32, contended_chunk_tokens=16, disaggregated=True, queue_timeout_s=3600,
-                             heartbeat_s=3600)
-    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
-                                                           transfer_faults=0), device="cpu")
+    w = world(tiny, 32, 16, max_running=RUNNING if contended else 64)
     drive = OneComputeThread(w)
 
     def flood_request(i: int) -> Request:
@@ -257,7 +249,7 @@ def test_a_first_token_never_waits_for_the_rest_of_a_step_of_another_groups_prom
             drive.run_one()  # the quiet tenant sends one request at a time
         last_sent = drive.sent[-1][1].step_id
         if not contended:
-            w.now += config.contention_window_s + 1  # the quiet tenant's first request in a while
+            w.now += w.config.contention_window_s + 1  # the quiet tenant's first request in a while
         reqs.append(flood_request(probe))  # the flood keeps sending
         drive.settle()
         for _ in range(60):  # a step of the flood's prompts sent since, running
@@ -293,11 +285,7 @@ def test_a_chunk_is_cut_once_at_most_however_many_first_tokens_come(tiny: Checkp
     flood's prompts runs, would cut every such step (its group never has anything decoding): the
     chunks a cut step carried go again whole (not cuttable), so each costs its request one try
     more at most, and the flood still finishes."""
-    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
-                             chunk_tokens=32, contended_chunk_tokens=16, disaggregated=True, queue_timeout_s=3600,
-                             heartbeat_s=3600)
-    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
-                                                           transfer_faults=0), device="cpu")
+    w = world(tiny, 32, 16)
     drive = OneComputeThread(w)
     reqs = [w.core.submit([5 + i % 50] + [6 + i % 7] * 19, LONG, w.now, tenant=FLOOD) for i in range(3 * RUNNING)]
     one = dataclasses.replace(SHORT, max_tokens=1)
@@ -324,10 +312,7 @@ def test_a_prefill_worker_waiting_for_its_turn_is_never_starved(tiny: Checkpoint
     """One prefill and two decode workers on one device, contended the whole run (a quiet
     request every few steps beside a flood of 48): every request ends with its tokens, and a
     prefill step of the flood alone is never sent while another step is queued on the device."""
-    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
-                             chunk_tokens=CHUNK, disaggregated=True, queue_timeout_s=3600, heartbeat_s=3600)
-    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
-                                                           transfer_faults=0), decodes=2, device="cpu")
+    w = world(tiny, CHUNK, decodes=2)
     drive = OneComputeThread(w)
     reqs = [w.core.submit([5 + i % 50, 6, 7, 8, 9, 10], dataclasses.replace(LONG, max_tokens=10 + i % 17), 0.0,
                           tenant=FLOOD) for i in range(6 * RUNNING)]
@@ -351,11 +336,7 @@ def test_a_prefill_worker_waiting_for_its_turn_is_never_starved(tiny: Checkpoint
 
 def test_a_contention_window_of_zero_keeps_one_groups_throughput_first(tiny: Checkpoint) -> None:
     """`--contention-window 0`: the flood keeps its whole chunk and its queue beside the quiet tenant."""
-    config = SchedulerConfig(page_size_tokens=4, max_context_tokens=64, max_running=RUNNING, max_queue=64,
-                             chunk_tokens=32, contended_chunk_tokens=8, contention_window_s=0, disaggregated=True,
-                             queue_timeout_s=3600, heartbeat_s=3600)
-    w = World(tiny.tokenizer, config, 512, [], SHORT, Budget(requests=0, aborts=0, restarts=0, ticks=0,
-                                                           transfer_faults=0), device="cpu")
+    w = world(tiny, 32, 8, contention_window_s=0)
     drive = OneComputeThread(w)
     for i in range(6 * RUNNING):
         w.core.submit([5 + i % 50] + [6 + i % 7] * 19, LONG, 0.0, tenant=FLOOD)
