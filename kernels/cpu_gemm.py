@@ -2,7 +2,7 @@
 cpu_kernels.c): W laid out once in panels of 16 output rows, each read once per call, in order;
 a 6 x 16 block of y in registers, or where the CPU has AVX-512 (`wide_blocks`) up to 4 rows over
 four panels at once (independent FMA chains, so one row does not wait on one chain's latency),
-16 x 16 (under 32 rows) and 8 x 32 over two panels (from 32 rows on); OpenMP over the panels. One
+16 x 16 (5 to 7 rows) and 8 x 32 over two panels (from 8 rows on); OpenMP over the panels. One
 summation order over k whatever M and whichever block, so a row's result does not depend on the
 rows around it.
 
@@ -44,8 +44,8 @@ class _Weight(ctypes.Structure):
 
 
 def wide_blocks(enabled: bool | None = None) -> bool:
-    """Whether the GEMMs (the fused layers' too) use the AVX-512 blocks (16 rows over a panel, 8 rows
-    over two from 32 rows on): on where the CPU has AVX-512. `enabled` False turns them off for the
+    """Whether the GEMMs (the fused layers' too) use the AVX-512 blocks (4 rows over four panels, 16 rows
+    over one, 8 rows over two from 8 rows on): on where the CPU has AVX-512. `enabled` False turns them off for the
     whole process (the 6-row blocks, the same bits: what the tests and benchmarks compare), True
     back on where the CPU allows."""
     return bool(cpu_kernels.library().kvfence_wide_blocks(-1 if enabled is None else int(enabled)))

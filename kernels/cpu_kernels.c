@@ -183,7 +183,9 @@ static AVX512 void wide_block_rows(const float *x, int64_t ldx, const float *pan
 /* ---- the 8-row block over two panels, AVX-512, for prefill chunks ------------------------------ */
 
 #define PR 8            /* rows of a two-panel block */
-#define PAIR_ROWS 32    /* from this many rows on (a prefill chunk), panels go in pairs */
+#define PAIR_ROWS 8     /* from this many rows on (a batch of decodes, a prefill chunk), panels go in pairs:
+                         * at 16 rows of the default model's Q4_1 a decode step takes 26.5 ms against
+                         * 32.6 over one panel at a time, at 8 rows 18.6 against 21.6 */
 
 #define PAIR_DECL(r) __m512 e##r = _mm512_setzero_ps(), f##r = _mm512_setzero_ps();
 #define PAIR_FMA(r)                                                                      \
@@ -579,8 +581,9 @@ static AVX512 void quad_panels(const float *x, int64_t m, const struct kvfence_w
 
 /* The panels shared out over the calling OpenMP team (an orphaned `omp for`: kvfence_gemm opens
  * a team for it, kvfence_layer calls it inside its own). accumulate: y += x @ W^T.
- * A prefill chunk's rows (PAIR_ROWS or more, with AVX-512) go eight at a time over two panels;
- * a decode step's rows sixteen (or six) at a time over one. */
+ * Up to QUAD_ROWS rows go over four panels at once (quad_panels); from PAIR_ROWS rows on (a batch
+ * of decodes, a prefill chunk), with AVX-512, eight at a time over two panels; the rows between,
+ * or without AVX-512, sixteen (or six) at a time over one. */
 static void gemm_panels(const float *x, int64_t m, const struct kvfence_weight *w, float *y, int accumulate) {
     int64_t n = w->n, k = w->k, panels = (n + NR - 1) / NR;
     if (m <= 0)  /* no rows (an empty step's logits): nothing to read, not even x */

@@ -106,7 +106,7 @@ def test_the_kernels_build_where_the_machine_allows() -> None:
 @pytest.mark.parametrize("n", [53, 37], ids=["panel-pairs", "odd-last-panel"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_avx512_blocks_give_the_six_row_blocks_bits(n: int, with_bias: bool) -> None:
-    """Every M from 1 to 70: 16-row blocks below 32 rows, 8-row blocks over two panels from 32 on
+    """Every M from 1 to 70: four-panel blocks up to 4 rows, 16-row blocks for 5 to 7, 8-row blocks over two panels from 8 on
     (whole and partial groups, a partial last panel, an odd panel left alone): exactly what the
     AVX2 6-row blocks write (the fused layers' accumulating projections:
     tests/kernels/test_cpu_layer.py)."""

@@ -60,7 +60,7 @@ def decode(model: LlamaModel, pool: KVPool, tables: list[list[int]], lengths: li
                                      [i % 40 + 1 for i in range(34)]], ids=["one", "seven", "eighteen", "thirty-four"])
 def test_one_call_per_layer_equals_the_per_op_loop_bit_for_bit(checkpoint: Checkpoint, lengths: list[int]) -> None:
     """The per-op loop runs its GEMMs in 6-row blocks; the fused layers in the AVX-512 blocks where
-    the CPU has them (16 rows over a panel, or from 32 rows on 8 over two; the residual projections
+    the CPU has them (4 rows over four panels, 16 over one, or from 8 rows on 8 over two; the residual projections
     accumulate into y inside the block): the same bits."""
     fused = LlamaModel(checkpoint, torch.float32)
     assert fused.fused_layers is not None

@@ -30,7 +30,7 @@ def test_every_row_count_gives_the_float32_bits(kind: str, wide: bool) -> None:
     """n = 136 (nine panels, the last part-filled: each of two threads walks four at once and then
     one alone), k = 768 (three decoded pieces of 256); rows 1-70 cover the four-panel blocks (in
     registers or through a buffer), the one-pass blocks, the decoded panel under the six- or
-    sixteen-row blocks, and the two-panel blocks from 32 rows on."""
+    sixteen-row blocks (5 to 7 rows), and the two-panel blocks from 8 rows on."""
     k = 768
     tensor = random_tensor(kind, 136, k, seed=len(kind) + k)
     dense = tensor.dequantize()
