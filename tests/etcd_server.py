@@ -4,7 +4,6 @@ stopped by the test."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,13 +14,9 @@ import pytest
 
 from kvfence.app.membership import ETCD_ERRORS, registered_workers
 
+from ports import free_port
+
 ETCD = shutil.which("etcd")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def need_etcd() -> None:

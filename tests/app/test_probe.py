@@ -101,7 +101,7 @@ def test_the_probe_reports_the_leak_of_a_broken_guard(broken: ServerProcess) -> 
 
 
 def test_a_server_that_is_not_there_is_exit_2(tmp_path: Path) -> None:
-    from server_process import free_port
+    from ports import free_port
 
     done = subprocess.run([sys.executable, "-m", "kvfence.app.cli", "probe", f"http://127.0.0.1:{free_port()}",
                            "--no-progress"], capture_output=True, text=True, timeout=60)
