@@ -147,7 +147,7 @@ def decode_bench(args: argparse.Namespace) -> tuple[bool, list[str]]:
         median = sorted(overheads)[len(overheads) // 2]
         lines.append(f"owner check (CHECK_OWNER on vs off): median {100 * median:+.2f}%, "
                      f"max {100 * max(overheads):+.2f}% per decode attention call")
-    del pool, keys, values, tags
+    pool = keys = values = tags = None  # the pool's memory back to the device before the next check
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return ok, lines
