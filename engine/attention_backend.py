@@ -241,4 +241,5 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
 def select_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The backend `name` resolves to on `device` (see resolve_backend_name)."""
     resolved = resolve_backend_name(name, device)
-    return {"triton": TritonBackend, "cpu": CpuBackend, "torch": TorchBackend}[resolved]()
+    backends: dict[str, type[AttentionBackend]] = {"triton": TritonBackend, "cpu": CpuBackend, "torch": TorchBackend}
+    return backends[resolved]()

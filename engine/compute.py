@@ -106,7 +106,8 @@ class ComputeThread:
         waits for the result even when its scope is cancelled."""
         future = self._submit(fn, args, urgent)
         with anyio.CancelScope(shield=True):
-            return await asyncio.wrap_future(future)
+            result = await asyncio.wrap_future(future)
+        return result
 
     def close(self) -> None:
         """Finish what was submitted and end the thread."""

@@ -114,16 +114,16 @@ class ModelRunner:
             kept = [i for i in range(len(works)) if i not in excluded]
             inner = self.step([works[i] for i in kept], return_logits, cut) if kept else StepResult([], None)
             tokens: list[int | None] = [None] * len(works)
-            logprobs: list[TokenLogprobs | None] = [None] * len(works) if inner.logprobs else []
+            kept_logprobs: list[TokenLogprobs | None] = [None] * len(works) if inner.logprobs else []
             scores: list[list[TokenLogprobs]] = [[] for _ in works] if inner.prompt_logprobs else []
             for j, i in enumerate(kept):
                 tokens[i] = inner.tokens[j]
                 if inner.logprobs:
-                    logprobs[i] = inner.logprobs[j]
+                    kept_logprobs[i] = inner.logprobs[j]
                 if inner.prompt_logprobs:
                     scores[i] = inner.prompt_logprobs[j]
             dead_ends = {kept[j]: why for j, why in inner.dead_ends.items()}
-            return StepResult(tokens, inner.logits, violations, logprobs, scores, dead_ends, cut=inner.cut)
+            return StepResult(tokens, inner.logits, violations, kept_logprobs, scores, dead_ends, cut=inner.cut)
         order = [i for i, w in enumerate(works) if w.is_decode] + \
                 [i for i, w in enumerate(works) if not w.is_decode]
         num_decode = sum(1 for w in works if w.is_decode)

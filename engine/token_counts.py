@@ -40,10 +40,10 @@ class LeaseTokenCounts:
         if history is not None:
             if len(history) != position:
                 raise ValueError(f"a history of {len(history)} tokens for a step at position {position}")
-            counts = TokenCounts(torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device),
-                                 torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device), 0)
-            self._counts[lease] = counts
-            self._add(counts, history, prompt_tokens)
+            fresh = TokenCounts(torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device),
+                                torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device), 0)
+            self._counts[lease] = fresh
+            self._add(fresh, history, prompt_tokens)
         counts = self._counts.get(lease)
         if counts is None or counts.num_tokens != position:
             have = "none" if counts is None else f"{counts.num_tokens} tokens"

@@ -15,6 +15,7 @@ import torch
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool, check_scrub
 from kvfence.engine.kv_sanitizer import SlotViolation
+from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.owner_check import OwnerViolation
 from kvfence.engine.page_tables import LeasePageTables
 from kvfence.engine.runner import ModelRunner, SeqWork
@@ -153,7 +154,9 @@ class Worker:
         n = len(cmd.seqs)
         tokens: list[int | None] = [None] * n
         violations: list[OwnerMismatch] = []
-        logprobs, prompt_logprobs, logits, cut = [], [], None, False
+        logprobs: list[TokenLogprobs | None] = []
+        prompt_logprobs: list[list[TokenLogprobs]] = []
+        logits, cut = None, False
         if works:
             step_id = cmd.step_id
             with torch.inference_mode():

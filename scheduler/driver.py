@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -63,7 +63,7 @@ class Scheduler:
             self._links[bound_prefill.name, bound_decode.name] = link
         self._handles: dict[str, RequestHandle] = {}
         self._task_group: TaskGroup | None = None
-        self._not_started: list[tuple[Callable[..., Awaitable[None]], Any]] = []
+        self._not_started: list[tuple[Callable[..., Coroutine[Any, Any, None]], Any]] = []
 
     # ---- what the server and the HTTP layer use ----
 
@@ -221,7 +221,7 @@ class Scheduler:
             elif isinstance(action, WatchQuiet):
                 self._start(self._watch_quiet, action)
 
-    def _start(self, fn: Callable[..., Awaitable[None]], action: Any) -> None:
+    def _start(self, fn: Callable[..., Coroutine[Any, Any, None]], action: Any) -> None:
         if self._task_group is None:
             self._not_started.append((fn, action))
         else:

@@ -33,6 +33,7 @@ from kvfence.scheduler.worker_binding import Pair, WorkerBinding
 if TYPE_CHECKING:
     from kvfence.scheduler.config import SchedulerConfig
     from kvfence.scheduler.metrics import SchedulerMetrics
+    from kvfence.scheduler.tenants import TenantLoads
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Reservation:
         serving_pairs: list[Pair]
         _pairs_changed: bool
         _running: dict[State, dict[str, Request]]
+        _tenants: TenantLoads
         queue: deque[Request]
         mint: Callable[[], int]
 

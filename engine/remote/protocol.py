@@ -27,6 +27,7 @@ a control call (not a transfer's: those wait on the network) stays unanswered pa
 from __future__ import annotations
 
 import struct
+from typing import TypeAlias
 
 import msgspec
 
@@ -154,8 +155,8 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     message: str
 
 
-CallBody = RunStep | Describe | PairWith | Arm | AwaitVerdict | Push | Cancel | WaitQuiet | Reference | Ping | Cut
-AnswerBody = StepDone | StepFailed | Description | Paired | Verdict | Done | Tokens | Failure
+CallBody: TypeAlias = RunStep | Describe | PairWith | Arm | AwaitVerdict | Push | Cancel | WaitQuiet | Reference | Ping | Cut
+AnswerBody: TypeAlias = StepDone | StepFailed | Description | Paired | Verdict | Done | Tokens | Failure
 
 
 class Call(msgspec.Struct, frozen=True):

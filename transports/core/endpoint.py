@@ -48,6 +48,8 @@ class Endpoint(Transport):
     every capability with it against this endpoint's incarnation (`capabilities=False`: it checks
     none, only with the capability guard off, app/guards.py)."""
 
+    _closed: bool  # set by aclose: nothing new starts
+
     def __init__(self, *, secret: DeploymentSecret, front_key: FrontPublicKey, stage_through_host: bool | None = None,
                  stage_chunk_bytes: int = DEFAULT_STAGE_CHUNK_BYTES, capabilities: bool = True) -> None:
         if not isinstance(secret, DeploymentSecret):

@@ -65,7 +65,7 @@ class PoolBytes:
         self.digest = record.digest
         self.pages = memory.detach().reshape(self.num_pages, -1).view(torch.uint8)  # (num_pages, page_nbytes)
         self.bytes = self.pages.reshape(-1)
-        self._mv = None if staged else memoryview(self.bytes.numpy()).cast("B")
+        self._mv = None if staged else self.bytes.numpy().data.cast("B")
 
     def check_pages(self, pages: list[int], what: str) -> None:
         """ValueError unless `pages` are distinct, in range, and not empty."""

@@ -35,7 +35,7 @@ def host_pages(num_pages: int, page_nbytes: int, device: torch.device) -> torch.
 
 def host_view(page: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous uint8 host tensor (no copy)."""
-    return memoryview(page.numpy()).cast("B")
+    return page.numpy().data.cast("B")
 
 
 def page_runs(dst_pages: Sequence[int], src_pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar
 
 import anyio
@@ -145,7 +145,7 @@ class OneSidedTransport(ListeningEndpoint):
             raise
         return self._info
 
-    def _loops(self) -> list[Callable[[], Awaitable[None]]]:
+    def _loops(self) -> list[Callable[[], Coroutine[Any, Any, None]]]:
         return [self._accept_loop, self._poll_loop]
 
     def _stop_serving(self) -> None:

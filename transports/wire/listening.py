@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar
 
 import anyio
@@ -212,7 +212,7 @@ class ListeningEndpoint(Endpoint):
         return reply
 
     # -- serving -------------------------------------------------------------------------------
-    def _loops(self) -> list[Callable[[], Awaitable[None]]]:
+    def _loops(self) -> list[Callable[[], Coroutine[Any, Any, None]]]:
         return [self._accept_loop]
 
     def _stop_serving(self) -> None:
