@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from front_keys import FRONT
+from ports import free_port
 
 from kvfence.app.pairing import pair_workers, role_record
 from kvfence.engine.checkpoint import Checkpoint
@@ -70,13 +71,9 @@ async def test_different_models_refuse_the_pair(tiny: Checkpoint) -> None:
 
 
 async def test_each_role_listens_where_its_options_say(tiny: Checkpoint) -> None:
-    import socket
-
     from kvfence.app.config import load_config
 
-    with socket.socket() as s:  # a port free a moment ago
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # outside the range the prefill endpoint's own port 0 is drawn from
     transport = load_config({"transport_decode_port": port}, {}, None).transport
     prefill, decode = pool(tiny, 16), pool(tiny, 16)
     async with anyio.create_task_group() as tg:
