@@ -7,8 +7,14 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvfence.app.environment import kvfence_home
+
+if TYPE_CHECKING:  # imported where used: `kvfence --help` loads neither torch nor the engine
+    import torch
+
+    from kvfence.engine.model_config import ModelConfig
 
 
 # The settings `generate` shares with `serve` (their dests); the rest of its flags are per prompt.
@@ -204,18 +210,14 @@ def _worker(args: argparse.Namespace) -> int:
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import checkpoint_cache, pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model, served_name
-    from kvfence.transports.core.front_key import FrontPublicKey
-    from kvfence.transports.core.secret import DeploymentSecret
     from kvfence.transports.wire.channel import split_address
 
     intra_op_threads = confine_to_one_intra_op_thread()
     config = load_config(vars(args), os.environ, args.config)
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_worker_settings(config, args.role)
+    check_worker_settings(config, args.role)  # reads the secret and the front end's key: a bad file fails now
     split_address(args.control)
-    DeploymentSecret.from_file(config.transport.secret_file)  # type: ignore[arg-type]
-    FrontPublicKey.from_file(config.transport.front_public_key_file)  # type: ignore[arg-type]
     path = resolve_model(config.model, kvfence_home())
     model = _read_model_config(path)  # an undersized pool fails before any weight is read
     resolve_context(config, model, plan_pools(config, model, pick_dtype(config.workers.dtype,
@@ -227,7 +229,7 @@ def _worker(args: argparse.Namespace) -> int:
                      intra_op_threads)
 
 
-def _read_model_config(path: Path):  # -> ModelConfig
+def _read_model_config(path: Path) -> ModelConfig:
     """The model's architecture from its GGUF metadata or config.json alone: no weights are read."""
     from kvfence.engine import gguf_loader, hf_loader
     from kvfence.engine.checkpoint import CheckpointError
@@ -273,7 +275,7 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _weights_line(path: Path, weights: str, dtype) -> str:  # dtype: torch.dtype
+def _weights_line(path: Path, weights: str, dtype: torch.dtype) -> str:
     """What `kvfence check` says of the weights: the bytes a worker holds, by how it holds them."""
     from kvfence.engine.gguf_loader import read_metadata
     from kvfence.engine.loading import checkpoint_cache

@@ -18,7 +18,8 @@ _TOKEN = re.compile(rb"[!-~]{1,128}")
 
 def client_request_id(request: Request) -> str | None:
     """The client's id of this request (None when it sent none, or one that is not a plain token)."""
-    return request.scope.get("state", {}).get("client_request_id")
+    value = request.scope.get("state", {}).get("client_request_id")
+    return value if isinstance(value, str) else None
 
 
 class EchoRequestId:

@@ -198,7 +198,7 @@ class TransportConfig(Settings):
 
     def own_options(self) -> NixlOptions | MooncakeOptions | None:
         """The options table of this transport, for the ones that have one."""
-        return {"nixl": self.nixl, "mooncake": self.mooncake}.get(self.name)
+        return self.nixl if self.name == "nixl" else self.mooncake if self.name == "mooncake" else None
 
     def endpoint_options(self, role: str) -> dict[str, Any]:
         """Keyword arguments of `create_transport(self.name, secret=..., **these)` for the endpoint
@@ -254,7 +254,8 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str], config_fil
             table = tomllib.loads(config_file.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"--config {config_file}: {e}") from e
-    return settings.load(ServeConfig, flags, environ, table, source=f"--config {config_file}")
+    config: ServeConfig = settings.load(ServeConfig, flags, environ, table, source=f"--config {config_file}")
+    return config
 
 
 def config_reference() -> str:

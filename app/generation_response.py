@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import anyio
 import msgspec
@@ -102,7 +102,7 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[AsyncIterator[t
     several are read by one task each, through an unbuffered stream (each handle coalesces what
     its reader has not taken yet, so nothing piles up)."""
     if len(handles) == 1:
-        async def one() -> AsyncIterator[tuple[int, OutputDelta]]:
+        async def one() -> AsyncGenerator[tuple[int, OutputDelta], None]:
             async with contextlib.aclosing(handles[0].deltas()) as deltas:
                 async for delta in deltas:
                     yield 0, delta
@@ -252,10 +252,11 @@ class GenerationResponse(Response):
                     break
                 choice = self._take(index, delta, whole=False)
                 plan = self.shape.tools
-                text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
+                text, token_ids = delta.text, delta.token_ids
+                logprobs: Sequence[TokenLogprobs | None] = delta.logprobs
                 if not choice.echoed:
                     choice.echoed = True
-                    text, token_ids, logprobs = self._echoed(text, token_ids, logprobs, delta.prompt_logprobs)
+                    text, token_ids, logprobs = self._echoed(text, token_ids, delta.logprobs, delta.prompt_logprobs)
                 if plan is not None and plan.syntax is not None:  # text until a call may start
                     text = choice.holdback.feed(text)
                 carries_logprobs = self.shape.logprobs and token_ids

@@ -110,7 +110,8 @@ class _Probe:
         try:
             self._conn.send(spec)
             if self._conn.poll(budget_s):
-                return self._conn.recv()
+                kind, why = self._conn.recv()
+                return str(kind), str(why)
             verdict = ("timeout", "")
         except (EOFError, OSError):  # it died on this spec
             verdict = ("error", "the grammar compiler failed on this schema")

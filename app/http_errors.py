@@ -61,7 +61,7 @@ def from_validation_error(exc: msgspec.ValidationError) -> RequestError:
     return invalid(path, f"invalid type for '{path}': {message}", "invalid_type")
 
 
-def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     """Decode `body` with `decoder`; raises RequestError 400 "invalid_json" for malformed or too
     deeply nested JSON and
     400 "invalid_type" / "missing_required_parameter" (param = the field) for a wrong shape."""

@@ -10,6 +10,8 @@ token of probability 0 still encodes as JSON.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvfence.app import openai_responses as r
 from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.tokenizer import Tokenizer
@@ -54,7 +56,7 @@ class CompletionLogprobsBuilder:
         self._pieces = pieces
         self._offset = 0
 
-    def __call__(self, token_ids: list[int], entries: list[TokenLogprobs | None]) -> r.CompletionLogprobs:
+    def __call__(self, token_ids: list[int], entries: Sequence[TokenLogprobs | None]) -> r.CompletionLogprobs:
         out = r.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token, entry in zip(token_ids, entries):
             text = self._pieces(token)[0]

@@ -408,6 +408,6 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         if len(items) > 1:
             raise invalid("prompt", f"prompt holds {len(items)} strings; batched prompts are not supported "
                                     "(one prompt per request, n=1): send one string", "unsupported_value")
-        return items[0]
+        return str(items[0])
     raise invalid("prompt", "prompt must be a string, a list of token ids (ints), or a list holding one "
                             "string; batched token-id prompts are not supported", "invalid_type")

@@ -87,7 +87,7 @@ class Prober:
         self.model = self.model or card["id"]
         self.context = self.context or int(card.get("max_model_len") or card.get("context_length") or 2048)
 
-    def chat(self, key: str | None, messages: list[dict], max_tokens: int = 16, *, extra: dict | None = None,
+    def chat(self, key: str | None, messages: list[dict[str, Any]], max_tokens: int = 16, *, extra: dict[str, Any] | None = None,
              stop_after_chunks: int | None = None) -> Reply:
         """One streamed chat completion (greedy); `stop_after_chunks`: close the stream early. A
         kept-alive connection the server closed meanwhile is retried once on a fresh one."""
@@ -96,7 +96,7 @@ class Prober:
         except httpx.RemoteProtocolError:
             return self._chat(key, messages, max_tokens, extra, stop_after_chunks)
 
-    def _chat(self, key: str | None, messages: list[dict], max_tokens: int, extra: dict | None,
+    def _chat(self, key: str | None, messages: list[dict[str, Any]], max_tokens: int, extra: dict[str, Any] | None,
               stop_after_chunks: int | None) -> Reply:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
@@ -136,7 +136,7 @@ class Prober:
     def words(self, n: int) -> str:
         return " ".join(self.rng.choice(WORDS) for _ in range(n))
 
-    def fresh_prompt(self, n: int) -> list[dict]:
+    def fresh_prompt(self, n: int) -> list[dict[str, Any]]:
         """A long prompt no earlier one shares a cache page with: it opens with a fresh 64-bit tag,
         so a hit can only come from this very prompt sent before (two prompts of plain words drawn
         from `WORDS` share their first page by chance often enough to look like a leak)."""
@@ -263,7 +263,11 @@ class Prober:
         if not self.two_keys:
             return Check(name, SKIP, "needs two keys (--key and --other-key)")
         n = max(64, min(self.context // 3, 1500))
-        cold, warm, other, other_cold, cached = [], [], [], [], []
+        cold: list[float] = []
+        warm: list[float] = []
+        other: list[float] = []
+        other_cold: list[float] = []
+        cached: list[int] = []
         warmup = True
         while len(cold) < rounds:
             shared, mine = self.fresh_prompt(n), self.fresh_prompt(n)
@@ -286,16 +290,16 @@ class Prober:
             other.append(b.ttft_s)
             other_cold.append(b_cold.ttft_s)
             cached.append(b.cached_tokens or 0)
-        data = {"a_cold_s": statistics.median(cold), "a_warm_s": statistics.median(warm),
-                "b_same_prompt_s": statistics.median(other), "b_cold_s": statistics.median(other_cold),
+        a_cold, a_warm = statistics.median(cold), statistics.median(warm)
+        b_same, b_cold_s = statistics.median(other), statistics.median(other_cold)
+        data = {"a_cold_s": a_cold, "a_warm_s": a_warm, "b_same_prompt_s": b_same, "b_cold_s": b_cold_s,
                 "b_cached_tokens": cached, "prompt_words": n}
-        times = (f"TTFT A cold {data['a_cold_s'] * 1e3:.0f} ms, A warm {data['a_warm_s'] * 1e3:.0f} ms, "
-                 f"B on A's prompt {data['b_same_prompt_s'] * 1e3:.0f} ms, B cold {data['b_cold_s'] * 1e3:.0f} ms")
+        times = (f"TTFT A cold {a_cold * 1e3:.0f} ms, A warm {a_warm * 1e3:.0f} ms, "
+                 f"B on A's prompt {b_same * 1e3:.0f} ms, B cold {b_cold_s * 1e3:.0f} ms")
         if any(cached):
             return Check(name, LEAK, f"B found {max(cached)} of A's prompt tokens cached; " + times, data)
-        cache_works = data["a_warm_s"] < FAST * data["a_cold_s"]
-        b_same, b_cold_s = data["b_same_prompt_s"], data["b_cold_s"]
-        if cache_works and b_same < FAST * b_cold_s and b_same < (data["a_warm_s"] * b_cold_s) ** 0.5:
+        cache_works = a_warm < FAST * a_cold
+        if cache_works and b_same < FAST * b_cold_s and b_same < (a_warm * b_cold_s) ** 0.5:
             return Check(name, LEAK, "B is served A's prompt as fast as A's own cache hit; " + times, data)
         return Check(name, PASS, ("" if cache_works else "no cache hit seen even within A; ") + times, data)
 
@@ -316,7 +320,7 @@ class Prober:
         return results
 
 
-def _error(r: httpx.Response) -> dict | None:
+def _error(r: httpx.Response) -> dict[str, Any] | None:
     try:
         error = r.json().get("error")
     except (ValueError, AttributeError):
@@ -324,7 +328,7 @@ def _error(r: httpx.Response) -> dict | None:
     return error if isinstance(error, dict) and isinstance(error.get("message"), str) and "type" in error else None
 
 
-def _bar(total: int, enabled: bool):  # type: ignore[no-untyped-def]
+def _bar(total: int, enabled: bool) -> Any:  # a tqdm bar, imported when the probe runs
     from tqdm import tqdm
 
     return tqdm(total=total, desc="probing", unit="check", disable=not enabled, file=sys.stderr)
@@ -337,7 +341,7 @@ def table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def report(url: str, checks: list[Check]) -> dict:
+def report(url: str, checks: list[Check]) -> dict[str, Any]:
     return {"url": url, "ok": ok(checks), "checks": [dataclasses.asdict(c) for c in checks]}
 
 

@@ -223,7 +223,7 @@ class Fleet:
             worker.close()
 
 
-def _pair_args(pair: RemotePair) -> tuple:
+def _pair_args(pair: RemotePair) -> tuple[RemoteWorker, RemoteWorker, TransferLink, int, int, int]:
     """Scheduler.add_pair's arguments for `pair`."""
     prefill, decode = pair.prefill.description, pair.decode.description
     assert prefill is not None and decode is not None

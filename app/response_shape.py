@@ -9,6 +9,7 @@ did not gets `logprobs: null`, as OpenAI sends it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -34,11 +35,16 @@ class ResponseShape:
         self._completion_logprobs: dict[int, CompletionLogprobsBuilder] = {}  # per choice: offsets run on
         self.tools = tools
 
-    def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> r.ChatLogprobs | None:
-        return chat_logprobs(self._pieces, token_ids, entries) if self.logprobs else None
+    def _chat_logprobs(self, token_ids: list[int], entries: Sequence[TokenLogprobs | None]) -> r.ChatLogprobs | None:
+        if not self.logprobs:
+            return None
+        present = [e for e in entries if e is not None]
+        if len(present) < len(entries):  # only a completion's echo has a null entry; a chat has no echo
+            raise ValueError("a chat response's logprobs have no null entries")
+        return chat_logprobs(self._pieces, token_ids, present)
 
     def _text_logprobs(self, index: int, token_ids: list[int],
-                       entries: list[TokenLogprobs | None]) -> r.CompletionLogprobs | None:
+                       entries: Sequence[TokenLogprobs | None]) -> r.CompletionLogprobs | None:
         if not self.logprobs:
             return None
         builder = self._completion_logprobs.get(index)
@@ -47,7 +53,7 @@ class ResponseShape:
         return builder(token_ids, entries)
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False, token_ids: list[int] = [],
-              logprobs: list[TokenLogprobs | None] = [], index: int = 0) -> msgspec.Struct:
+              logprobs: Sequence[TokenLogprobs | None] = (), index: int = 0) -> msgspec.Struct:
         """One stream chunk of choice `index`: `text` (None: no content field) of `token_ids`,
         whose `logprobs` it carries when asked for (a chunk without tokens carries none)."""
         if self.chat:
@@ -57,10 +63,10 @@ class ResponseShape:
                                        logprobs=self._chat_logprobs(token_ids, logprobs) if token_ids else None)
             return r.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
                                          choices=[choice])
-        choice = r.CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
-                                    logprobs=self._text_logprobs(index, token_ids, logprobs) if token_ids else None)
+        text_choice = r.CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
+                                         logprobs=self._text_logprobs(index, token_ids, logprobs) if token_ids else None)
         return r.TextCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage_field,
-                                choices=[choice])
+                                choices=[text_choice])
 
     def usage_chunk(self, usage: r.Usage) -> msgspec.Struct:
         kind = r.ChatCompletionChunk if self.chat else r.TextCompletion

@@ -10,11 +10,13 @@ import hashlib
 import logging
 import signal
 import time
+from typing import cast
 
 import anyio
 import anyio.abc
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.typing import ASGIFramework
 
 from kvfence.app.config import ServeConfig
 from kvfence.app.api_keys import ApiKeys
@@ -188,7 +190,8 @@ async def serve_http(tg: anyio.abc.TaskGroup, config: ServeConfig, model_name: s
     async def run_http() -> None:
         # In its own task: hypercorn's asyncio.TaskGroup must not have the task-group owner as
         # its parent, or its shutdown cancellation leaks into anyio's cancel scope accounting.
-        await hypercorn_serve(app, hyper, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+        # Starlette types its ASGI callable with its own aliases, which hypercorn's do not accept.
+        await hypercorn_serve(cast(ASGIFramework, app), hyper, shutdown_trigger=shutdown.wait)
         served.set()
 
     with startup_heap_frozen():

@@ -102,7 +102,7 @@ def _num_pages(config: ServeConfig, prefix: str, bytes_per_page: int, context_to
     if pages is not None:
         return int(pages)
     if memory is not None:
-        return max(1, memory // bytes_per_page)
+        return max(1, int(memory) // bytes_per_page)
     return -(-DEFAULT_CONTEXTS[prefix] * context_tokens // pools.page_size_tokens)
 
 

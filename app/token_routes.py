@@ -39,11 +39,13 @@ from kvfence.app.prompt_tokens import PromptEncoder
 
 # The refused transfer / tenant fields, each UNSET unless the body carries it (even as null), so
 # that a body carrying one is refused by name; built from FORBIDDEN_FIELDS so the two never differ.
+# A class made at run time is opaque to a type checker (not a valid base, no Struct keywords):
+# the subclasses below say so in their ignores.
 _CarriesForbidden = msgspec.defstruct("_CarriesForbidden", [(f, Any, UNSET) for f in s.FORBIDDEN_FIELDS],
                                       kw_only=True)
 
 
-class TokenizeRequest(_CarriesForbidden, kw_only=True):  # type: ignore[misc, valid-type]
+class TokenizeRequest(_CarriesForbidden, kw_only=True):  # type: ignore[misc, valid-type, call-arg]  # a defstruct base: see above
     """Exactly one of `prompt` and `messages`; null counts as absent."""
 
     model: str
@@ -55,7 +57,7 @@ class TokenizeRequest(_CarriesForbidden, kw_only=True):  # type: ignore[misc, va
     extra_body: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_CarriesForbidden, kw_only=True):  # type: ignore[misc, valid-type]
+class DetokenizeRequest(_CarriesForbidden, kw_only=True):  # type: ignore[misc, valid-type, call-arg]  # a defstruct base: see above
     model: str
     tokens: list[int]
     extra_body: dict[str, Any] | None = None
@@ -77,6 +79,7 @@ class TokenRouteHost(Protocol):
 
     engine: EngineClient
     prompts: PromptEncoder
+    allow_special_tokens: bool
 
     async def answer_body(self, request: Request, answer: Callable[[bytes], Struct]) -> Response:
         """Authenticate, read the body under its limit, run `answer(body)` (inline or in a worker

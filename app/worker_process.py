@@ -39,8 +39,10 @@ def registration(server: WorkerServer, control: str, transport: str) -> Registra
                         d.endpoint.address if d.endpoint else "")
 
 
-def check_worker_settings(config: ServeConfig, role: str) -> None:
-    """ValueError, naming the flag, for settings a worker in its own process cannot run with."""
+def check_worker_settings(config: ServeConfig, role: str) -> tuple[DeploymentSecret, FrontPublicKey]:
+    """ValueError, naming the flag, for settings a worker in its own process cannot run with;
+    else the deployment secret and the front end's public key, read from their files (which
+    raise what DeploymentSecret.from_file and FrontPublicKey.from_file raise)."""
     if role not in ROLES:
         raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     if config.transport.name not in LISTENING_TRANSPORTS:
@@ -56,6 +58,8 @@ def check_worker_settings(config: ServeConfig, role: str) -> None:
         raise ValueError("a worker in its own process needs the public key of its front end, which signs every "
                          "step and every capability: --front-public-key-file (or KVFENCE_FRONT_PUBLIC_KEY_FILE; "
                          "make a pair with: kvfence front-key)")
+    return (DeploymentSecret.from_file(config.transport.secret_file),
+            FrontPublicKey.from_file(config.transport.front_public_key_file))
 
 
 async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: str, role: str, device: str,
@@ -63,9 +67,7 @@ async def run_worker(config: ServeConfig, checkpoint: Checkpoint, model_name: st
     """Serve the worker until SIGTERM/SIGINT, then drain it (WorkerServer.drain) and stop; 0 then.
     With `--discovery etcd://...` it registers there (app/membership.py) under `advertise`
     (default: `control`), and revokes that last."""
-    check_worker_settings(config, role)
-    secret = DeploymentSecret.from_file(config.transport.secret_file)  # type: ignore[arg-type]
-    front_key = FrontPublicKey.from_file(config.transport.front_public_key_file)  # type: ignore[arg-type]
+    secret, front_key = check_worker_settings(config, role)
     host, port = split_address(control)
     if advertise is None and host in ("0.0.0.0", "::"):
         raise ValueError(f"--control {control} listens on every address: say which one front ends reach it at "

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import anyio
 import anyio.abc
 import msgspec
+import torch
 from anyio.abc import TaskGroup
 
 from kvfence.app.readiness import greedy_answer
@@ -59,7 +60,8 @@ class KvEndpoint:
     """The worker's KV transport endpoint, renewable: `renew` closes the current one (dropping its
     registrations) and starts a fresh one over the same pool, with a new incarnation in its record."""
 
-    def __init__(self, make: Callable[[], Transport], memory: object, record: Callable[[], PairingRecord]) -> None:
+    def __init__(self, make: Callable[[], Transport], memory: torch.Tensor,
+                 record: Callable[[], PairingRecord]) -> None:
         self._make, self._memory, self._record = make, memory, record
         self.transport: Transport | None = None
         self.info: EndpointInfo | None = None
@@ -67,7 +69,7 @@ class KvEndpoint:
 
     async def start(self, tg: TaskGroup) -> None:
         self.transport = self._make()
-        self.info = await self.transport.start(tg, self._memory, self._record())  # type: ignore[arg-type]
+        self.info = await self.transport.start(tg, self._memory, self._record())
         self.peers = {}
 
     async def renew(self, tg: TaskGroup) -> None:
@@ -262,11 +264,11 @@ class WorkerServer:
                 self._active.discard(transfer_id)
                 return Verdict(result.ok, result.reason)
             case Push(manifest, src_pages, dst_pages, receiver):
-                peer = endpoint.peers.get(receiver)
-                if peer is None:
+                target = endpoint.peers.get(receiver)
+                if target is None:
                     return Verdict(False, f"the prefill worker is not paired with a receiver at {receiver}")
                 self._active.add(manifest.transfer_id)
-                result = await transport.push(peer, manifest, src_pages, dst_pages)
+                result = await transport.push(target, manifest, src_pages, dst_pages)
                 if result.ok:
                     self._active.discard(manifest.transfer_id)
                 return Verdict(result.ok, result.reason)

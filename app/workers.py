@@ -66,8 +66,9 @@ def build_role_worker(config: ServeConfig, checkpoint: Checkpoint, role: str, de
                       intra_op_threads: int | None = None) -> RoleWorker:
     """The worker of `role` ("prefill" or "decode") alone, on `device`, its pool sized as that
     role's pool of a disaggregated server with these settings (UndersizedPoolError likewise)."""
-    devices = {f"{role}_device": device}
-    config = dataclasses.replace(config, disaggregation="on", workers=dataclasses.replace(config.workers, **devices))
+    placed = (dataclasses.replace(config.workers, prefill_device=device) if role == "prefill"
+              else dataclasses.replace(config.workers, decode_device=device))
+    config = dataclasses.replace(config, disaggregation="on", workers=placed)
     workers, _, context, compute = _build(config, checkpoint, [role], intra_op_threads, Guards())
     return RoleWorker(workers[role], next(iter(compute.values())), context)
 

@@ -21,12 +21,14 @@ class CheckpointError(ValueError):
     """A model file or directory cannot be loaded; the message names the file and the problem."""
 
 
+# canonical name -> float tensor ([out, in] for matrices), or a matrix kept in its GGUF block type
+Tensors = dict[str, torch.Tensor | GGUFTensor]
+
+
 @dataclasses.dataclass
 class Checkpoint:
     config: ModelConfig
-    # canonical name -> float tensor ([out, in] for matrices), or a matrix kept in its GGUF block
-    # type (load_checkpoint's `keep_blocks`)
-    tensors: dict[str, torch.Tensor | GGUFTensor]
+    tensors: Tensors  # block types kept only with load_checkpoint's `keep_blocks`
     tokenizer: Tokenizer
     source: str  # the path it was loaded from
     # Per-frequency RoPE divisors stored in the file (Llama 3.1 GGUF `rope_freqs`), if any.
@@ -81,7 +83,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor | GGUFTensor], source: str) -> None:
+def check_tensors(config: ModelConfig, tensors: Tensors, source: str) -> None:
     """Raise CheckpointError naming the first missing or misshapen tensor."""
     for name, shape in expected_shapes(config).items():
         t = tensors.get(name)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from kvfence.engine.checkpoint import Checkpoint, CheckpointError, check_tensors
+from kvfence.engine.checkpoint import Checkpoint, CheckpointError, Tensors, check_tensors
 from kvfence.engine.gguf_cache import GGUFCache
 from kvfence.engine.gguf_tensor import GGUFTensor
 from kvfence.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
@@ -189,7 +189,7 @@ def _dequantize(t: Any, path: Path) -> torch.Tensor:
 
 
 def _kind(t: Any, path: Path) -> str:
-    kind = t.tensor_type.name
+    kind: str = t.tensor_type.name
     if kind not in SUPPORTED_TENSOR_TYPES:
         raise CheckpointError(f"{path}: tensor {t.name} has unsupported type {kind}; "
                               f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
@@ -247,17 +247,20 @@ def load_gguf(path: Path, weights: bool = True, cache_dir: Path | None = None,
     cache = GGUFCache(cache_dir, path) if cache_dir is not None else None
     meta, reader = _metadata(path, cache)
     config = config_from_fields(meta, path)
-    tensors: dict[str, torch.Tensor | GGUFTensor] = {}
+    tensors: Tensors = {}
     if weights and keep_blocks:
         tensors = _tensors(reader if reader is not None else _open(path), config, path, keep_blocks)
     elif weights:
         cached = cache.tensors() if cache is not None else None
         if cached is None:
-            cached = _tensors(reader if reader is not None else _open(path), config, path)
+            # without keep_blocks every tensor is dequantized: all are torch.Tensor
+            cached = cast(dict[str, torch.Tensor], _tensors(reader if reader is not None else _open(path), config, path))
             if cache is not None:
                 cache.store_tensors(cached)
         tensors = dict(cached)
     rope_freq_factors = tensors.pop(ROPE_FREQS, None)
+    if isinstance(rope_freq_factors, GGUFTensor):  # never: only matrices are kept in block types
+        raise CheckpointError(f"{path}: {ROPE_FREQS} is not a vector")
     if weights:
         check_tensors(config, tensors, str(path))
     tokenizer = tokenizer_from_gguf_fields(meta.field, str(path))

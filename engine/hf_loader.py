@@ -6,9 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvfence.engine.checkpoint import Checkpoint, CheckpointError, check_tensors
+from kvfence.engine.checkpoint import Checkpoint, CheckpointError, Tensors, check_tensors
 from kvfence.engine.model_config import ModelConfig, UnsupportedModelError
 from kvfence.engine.tokenizer import tokenizer_from_hf_dir
 
@@ -83,7 +81,7 @@ def load_hf_dir(directory: Path, weights: bool = True) -> Checkpoint:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
     config = config_from_hf(raw, str(directory))
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: Tensors = {}
     for shard in _shard_files(directory) if weights else ():
         try:
             tensors.update(load_file(str(shard)))

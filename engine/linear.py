@@ -21,7 +21,7 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
     """oneDNN on a CPU that has it; for bfloat16 only where the CPU can run its bf16 kernels
     (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): elsewhere (an AVX2-only CPU) packing a bf16 weight
     fails, and plain `F.linear` serves bf16 instead."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return False
     if weight.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -61,5 +61,6 @@ class Linear:
             return self.packed(x)
         assert self.weight is not None  # None only where `packed` serves
         if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return out
         return F.linear(x, self.weight, self.bias)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfence.engine.attention import AttentionBatch
-from kvfence.engine.attention_backend import select_attention_backend
+from kvfence.engine.attention_backend import CpuBackend, select_attention_backend
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.gguf_tensor import GGUFTensor
 from kvfence.engine.kv_pool import KVPool
@@ -60,11 +60,11 @@ class LlamaModel:
             return value.to(device=self.device, dtype=dtype).contiguous()
 
         def kept(*names: str) -> bool:
-            return blocks_ok and any(cpu_gemm.kept_as_shipped(t[name]) for name in names)  # type: ignore[arg-type]
+            return blocks_ok and any(cpu_gemm.kept_as_shipped(t[name]) for name in names)
 
         def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:
             if kept(*names):
-                return Linear.of_parts([t[name] for name in names], bias)  # type: ignore[misc]
+                return Linear.of_parts([t[name] for name in names], bias)
             weight = torch.cat([w(name) for name in names]) if len(names) > 1 else w(names[0])
             return Linear(weight, bias, cpu_gemm_ok=cpu_kernels)
 
@@ -106,13 +106,17 @@ class LlamaModel:
         """Every layer of a step in one C call each (kernels/cpu_layer.py), where the
         CPU backend attends and every linear is packed for it; None elsewhere."""
         c = self.config
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if (self.attention.name != "cpu" or any(lin.packed is None for lin in linears)
+        packed = [lin.packed for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        ready = [p for p in packed if p is not None]
+        if (self.attention.name != "cpu" or len(ready) < len(packed)
                 or not cpu_layer.FusedLayers.usable(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                                      c.intermediate_size)):
             return None
-        params = [cpu_layer.LayerParams(layer.attn_norm, layer.qkv.packed, layer.o.packed, layer.mlp_norm,
-                                        layer.gate_up.packed, layer.down.packed) for layer in self.layers]
+        params = []
+        for i, layer in enumerate(self.layers):
+            qkv, o, gate_up, down = ready[4 * i: 4 * i + 4]
+            params.append(cpu_layer.LayerParams(attn_norm=layer.attn_norm, qkv=qkv, o=o, mlp_norm=layer.mlp_norm,
+                                                gate_up=gate_up, down=down))
         return cpu_layer.FusedLayers(params, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
                                       head_dim=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps)
 
@@ -142,8 +146,8 @@ class LlamaModel:
         c = self.config
         num_tokens = input_ids.shape[0]
         x = self.embed[input_ids] if self.embed_rows is None else self.embed_rows.rows(input_ids)  # [T, hidden]
-        if self.fused_layers is not None:
-            slots, tables = self.attention.checked(batch, pool.keys(0))  # type: ignore[attr-defined]
+        if self.fused_layers is not None and isinstance(self.attention, CpuBackend):  # only there (_fused_layers)
+            slots, tables = self.attention.checked(batch, pool.keys(0))
             x = self.fused_layers.run(x, self.rope.cos[positions], self.rope.sin[positions], pool.data, slots,
                                        tables, between_layers)
             return self.lm_head(self._norm(x[logits_rows], self.final_norm)).float()

@@ -42,12 +42,13 @@ def apply_penalties(x: torch.Tensor, params: list[SamplingParams], counts: list[
     on = [row for row, p in enumerate(params) if p.penalized]
     if not on:
         return x
-    if any(counts[row] is None for row in on):
+    present = [c for c in (counts[row] for row in on) if c is not None]
+    if len(present) < len(on):
         raise ValueError("a penalized row has no token counts")
     device = x.device
     on_rows = torch.tensor(on, dtype=torch.int64, device=device)  # [R]
-    output = torch.stack([counts[row].output for row in on])  # type: ignore[union-attr]  # [R, V]
-    seen = torch.stack([counts[row].seen for row in on])  # type: ignore[union-attr]  # [R, V]
+    output = torch.stack([c.output for c in present])  # [R, V]
+    seen = torch.stack([c.seen for c in present])  # [R, V]
     rep = torch.tensor([params[row].repetition_penalty for row in on], dtype=x.dtype, device=device)[:, None]
     freq = torch.tensor([params[row].frequency_penalty for row in on], dtype=x.dtype, device=device)[:, None]
     pres = torch.tensor([params[row].presence_penalty for row in on], dtype=x.dtype, device=device)[:, None]

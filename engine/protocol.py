@@ -215,9 +215,14 @@ class WorkerChannel(Protocol):
     `device`: the compute queue its steps run on, shared by the workers that name the same one
     ("": a queue of its own)."""
 
-    name: str
-    role: str
-    device: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
 
     async def call(self, request: WorkerRequest) -> WorkerReply: ...
 

@@ -131,6 +131,7 @@ class ModelRunner:
         positions: list[int] = []
         score_rows: list[int] = []
         scored: list[int] = []  # indices into `works` that sample, in logits-row order
+        params: list[SamplingParams] = []  # their sampling, in the same order
         prompt_rows: list[int] = []  # rows whose logits score a given token (prompt logprobs)
         prompt_targets: list[tuple[int, int]] = []  # (work index, token), per prompt row
         for i in order:
@@ -145,6 +146,7 @@ class ModelRunner:
             if w.sampling is not None:
                 score_rows.append(len(ids) - 1)
                 scored.append(i)
+                params.append(w.sampling)
         device = self.pool.device
         batch = build_attention_batch(
             page_size,
@@ -172,7 +174,6 @@ class ModelRunner:
         logits = all_logits[:len(score_rows)]
         if not scored:
             return StepResult(tokens, None, prompt_logprobs=prompt_logprobs)
-        params: list[SamplingParams] = [works[i].sampling for i in scored]  # type: ignore[misc]
         # [N, V]; logprobs stay the model's
         allowed, dead_rows = apply_grammars(logits, [works[i].grammar for i in scored])
         sampled = self.sampler.sample(allowed, params, [works[i].output_index for i in scored],

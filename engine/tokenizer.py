@@ -83,9 +83,10 @@ class Tokenizer:
         `encode`, so a megabyte tokenized by `encode`, even in a worker thread, would stop the
         event loop for the second it takes (and for short texts it is no slower)."""
         ids: list[int] = self.inner.encode_batch([text], add_special_tokens=False)[0].ids
-        want_bos = self.add_bos if add_bos is None else (add_bos and self.bos_token_id is not None)
-        if want_bos and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        bos = self.bos_token_id
+        want_bos = self.add_bos if add_bos is None else add_bos
+        if want_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
         return ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
@@ -257,18 +258,22 @@ def tokenizer_from_gguf_fields(field: Callable[[str], Any], source: str) -> Toke
 
 
 def _token_content(value: Any) -> str | None:
+    """A special token's text: config files give it as a string or as {"content": ...}."""
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        table = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise TokenizerError(f"{path}: cannot read JSON ({e})") from e
+    if not isinstance(table, dict):
+        raise TokenizerError(f"{path}: holds {type(table).__name__}, not a JSON object")
+    return table
 
 
 def tokenizer_from_hf_dir(directory: Path) -> Tokenizer:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -28,9 +28,15 @@ PANEL = 16  # output rows per packed panel (NR in cpu_kernels.h)
 class BlockTensor(Protocol):
     """A weight as a GGUF file stores it (engine/gguf_tensor.py): rows of blocks of one type."""
 
-    kind: str
-    raw: np.ndarray  # uint8 [rows, row bytes]
-    shape: tuple[int, int]
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def raw(self) -> np.ndarray:  # uint8 [rows, row bytes]
+        ...
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
 
     def dequantize(self) -> torch.Tensor: ...
 
@@ -51,7 +57,7 @@ def wide_blocks(enabled: bool | None = None) -> bool:
     return bool(cpu_kernels.library().kvfence_wide_blocks(-1 if enabled is None else int(enabled)))
 
 
-def kept_as_shipped(part: Part) -> bool:
+def kept_as_shipped(part: Part) -> TypeGuard[BlockTensor]:
     """Whether `part` can stay in its own block format (else it is multiplied as float32)."""
     return not isinstance(part, torch.Tensor) and part.kind in cpu_quant.BLOCKS
 

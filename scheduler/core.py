@@ -434,6 +434,8 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         the request holds. A no-op for an ended request."""
         if req.state.terminal:
             return
+        if error is None and last is None:
+            raise ValueError(f"request {req.request_id} ends with neither an error nor its last delta")
         load = self._tenants[req.tenant]
         if req.state is State.WAITING:
             self.queue.remove(req)
@@ -443,7 +445,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             load.running -= 1
         del self._live[req.request_id]
         load.spend(req.num_generated - req.max_tokens, now)  # give back what was charged and not used
-        delta = req.fail(error) if error is not None else req.finish(last)  # type: ignore[arg-type]
+        delta = req.fail(error) if error is not None else req.finish(last) if last is not None else None
         self._release_leases(req)
         if delta is not None:
             self.metrics.finished(req, now)

@@ -88,9 +88,9 @@ class Scheduler:
         """Serve on one more pair (disaggregated): `link` moves KV from `prefill` to `decode`. A
         worker already serving (by name) keeps its binding; a new one is bound with its pool size."""
         known = {w.name: w for w in self.core.workers}
-        bound = [known.get(c.name) or WorkerBinding(c.name, pages, c.role, c.device)
-                 for c, pages in ((prefill, prefill_pages), (decode, decode_pages))]
-        self.core.add_pair(*bound, max_context_tokens)
+        p, d = (known.get(c.name) or WorkerBinding(c.name, pages, c.role, c.device)
+                for c, pages in ((prefill, prefill_pages), (decode, decode_pages)))
+        self.core.add_pair(p, d, max_context_tokens)
         self._channels[prefill.name], self._channels[decode.name] = prefill, decode
         self._links[prefill.name, decode.name] = link
         self._carry_out()

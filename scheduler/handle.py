@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import anyio
 
@@ -60,7 +60,7 @@ class RequestHandle:
     def abort(self) -> None:
         self._on_abort()
 
-    async def deltas(self) -> AsyncIterator[OutputDelta]:
+    async def deltas(self) -> AsyncGenerator[OutputDelta, None]:
         try:
             while True:
                 if self._ids or self._texts:

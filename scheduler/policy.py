@@ -6,6 +6,7 @@ No I/O and no awaiting here; the scheduler dispatches what these return.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TypedDict
 
 from kvfence.engine.protocol import SamplingSpec, SeqStep
 from kvfence.scheduler.lease_table import LeaseTable
@@ -16,13 +17,24 @@ from kvfence.scheduler.worker_binding import WorkerBinding
 def decode_steps(requests: list[Request], table: LeaseTable) -> list[SeqStep]:
     """One step per decoding request: feed its last token, which lands at position len(tokens) - 1.
     `table`: the decode pool's, which knows what of each page table its worker already has."""
-    return [SeqStep(r.decode_lease, [r.tokens[-1]], len(r.tokens) - 1, table.new_pages(r.decode_lease, r.decode_pages),
-                    SamplingSpec.of(r.params), r.num_generated, r.seal,
-                    **_counting(r, r.decode_lease, len(r.tokens) - 1))
+    return [SeqStep(lease=r.decode_lease, token_ids=[r.tokens[-1]], context_tokens=len(r.tokens) - 1,
+                    new_pages=table.new_pages(r.decode_lease, r.decode_pages), sampling=SamplingSpec.of(r.params),
+                    output_index=r.num_generated, seal=r.seal, **_counting(r, r.decode_lease, len(r.tokens) - 1))
             for r in requests]
 
 
-def _counting(req: Request, lease: int, position: int) -> dict[str, object]:
+class _Counting(TypedDict, total=False):
+    history: list[int]
+    prompt_tokens: int
+    grammar: str | None
+
+
+class _Scoring(TypedDict, total=False):
+    score: list[int]
+    score_top: int
+
+
+def _counting(req: Request, lease: int, position: int) -> _Counting:
     """SeqStep's history, prompt_tokens and grammar of a sampling step of `req` on `lease` at
     `position`: the worker of a penalized or grammar-bound request keeps its state per lease
     (engine/token_counts.py, engine/grammar.py), so the first sampling step of each lease carries
@@ -35,7 +47,7 @@ def _counting(req: Request, lease: int, position: int) -> dict[str, object]:
     return {"history": req.tokens[:position], "prompt_tokens": len(req.prompt), "grammar": req.params.grammar}
 
 
-def _scoring(req: Request, start: int, n: int) -> dict[str, object]:
+def _scoring(req: Request, start: int, n: int) -> _Scoring:
     """SeqStep's score and score_top of a chunk of `req` feeding positions [start, start + n): position p
     scores prompt token p + 1, for the prompt tokens not scored yet (a recompute after a
     preemption scores only what the first attempt did not)."""
@@ -66,10 +78,12 @@ def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTabl
             continue
         n = min(remaining, budget_tokens, held_back_tokens if held else budget_tokens)
         last = req.prefilled + n == req.prefill_target
-        out.append((req, SeqStep(req.prefill_lease, req.tokens[req.prefilled: req.prefilled + n],
-                                 req.prefilled, table.new_pages(req.prefill_lease, req.prefill_pages),
-                                 SamplingSpec.of(req.params) if last else None, req.num_generated, req.seal,
-                                 **(_counting(req, req.prefill_lease, req.prefilled) if last else {}),
+        counting = _counting(req, req.prefill_lease, req.prefilled) if last else _Counting()
+        out.append((req, SeqStep(lease=req.prefill_lease, token_ids=req.tokens[req.prefilled: req.prefilled + n],
+                                 context_tokens=req.prefilled,
+                                 new_pages=table.new_pages(req.prefill_lease, req.prefill_pages),
+                                 sampling=SamplingSpec.of(req.params) if last else None,
+                                 output_index=req.num_generated, seal=req.seal, **counting,
                                  **_scoring(req, req.prefilled, n))))
         budget_tokens -= n
         if held:

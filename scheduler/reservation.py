@@ -33,6 +33,7 @@ from kvfence.scheduler.worker_binding import Pair, WorkerBinding
 if TYPE_CHECKING:
     from kvfence.scheduler.config import SchedulerConfig
     from kvfence.scheduler.metrics import SchedulerMetrics
+    from kvfence.scheduler.output import OutputDelta
     from kvfence.scheduler.tenants import TenantLoads
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Reservation:
         def num_running(self) -> int: ...
         def _preemptible(self, decode: WorkerBinding) -> list[Request]: ...
         def _preempt(self, req: Request, now: float, why: str = ...) -> None: ...
-        def _end(self, req: Request, error: RequestError | None, now: float, last: object = None) -> None: ...
+        def _end(self, req: Request, error: RequestError | None, now: float, last: OutputDelta | None = None) -> None: ...
         def _move(self, req: Request, new: State) -> None: ...
 
 
@@ -122,11 +123,11 @@ class Reservation:
         (pages were quarantined, or pairs lost, since it came) ends now with 503."""
         if any(w.ledger.num_quarantined for w in self.workers) or self._pairs_changed:
             self._pairs_changed = False
-            for req in list(self.queue):
-                refusal = self._refusal(len(req.prompt), req.prefill_target, req.max_tokens, now)
+            for queued in list(self.queue):
+                refusal = self._refusal(len(queued.prompt), queued.prefill_target, queued.max_tokens, now)
                 if refusal is not None:
                     self.metrics.rejected(refusal.reason)
-                    self._end(req, refusal.error, now)
+                    self._end(queued, refusal.error, now)
         running_on = self._running_per_decode()
         while True:
             req = self._next_to_start()

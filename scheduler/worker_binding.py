@@ -18,6 +18,7 @@ from kvfence.scheduler.lease_table import LeaseTable
 from kvfence.engine.protocol import SeqStep, WorkerReply
 
 if TYPE_CHECKING:
+    from kvfence.scheduler.page_ledger import PageLedger
     from kvfence.scheduler.request import Request
 
 
@@ -68,7 +69,7 @@ class WorkerBinding:
         return self.in_flight is not None and bool(self.in_flight.seqs)
 
     @property
-    def ledger(self):  # type: ignore[no-untyped-def]
+    def ledger(self) -> PageLedger:
         return self.table.ledger
 
     @property

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvfence.engine.logprobs import TokenLogprobs
     from kvfence.scheduler.config import SchedulerConfig
     from kvfence.scheduler.metrics import SchedulerMetrics
+    from kvfence.scheduler.output import OutputDelta
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class WorkerEvents:
 
         _seals: dict[str, int]
 
-        def _end(self, req: Request, error: RequestError | None, now: float, last: object = None) -> None: ...
+        def _end(self, req: Request, error: RequestError | None, now: float, last: OutputDelta | None = None) -> None: ...
         def _schedule(self, now: float) -> None: ...
         def _accept_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None: ...
         def _prefilled(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None: ...

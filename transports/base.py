@@ -108,6 +108,11 @@ class Transport(abc.ABC):
 
         Long-lived tasks go into `task_group`; they end when `aclose()` is called."""
 
+    @property
+    @abc.abstractmethod
+    def info(self) -> EndpointInfo:
+        """What `start` returned (RuntimeError before it)."""
+
     @abc.abstractmethod
     async def pair(self, peer: EndpointInfo) -> Peer:
         """Exchange pairing records with `peer`; raise PairingRefused on any mismatch."""

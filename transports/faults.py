@@ -182,7 +182,7 @@ class FaultInjectingTransport(Transport):
 
     @property
     def info(self) -> EndpointInfo:
-        return self.inner.info  # type: ignore[attr-defined]
+        return self.inner.info
 
     async def pair(self, peer: EndpointInfo) -> Peer:
         return await self.inner.pair(peer)

@@ -168,9 +168,8 @@ class InProcessTransport(Endpoint):
 
     async def aclose(self) -> None:
         """Leave the hub and fail everything pending ("transport_closed"); idempotent."""
-        if self._closed:
+        if not self._close_once():
             return
-        self._closed = True
         if self._info is not None:
             self.hub.unregister(self._info.address)
         self._fail_pending()

@@ -184,7 +184,7 @@ def frame(message: Call | Answer) -> bytes:
 
 def body_length(prefix: bytes) -> int:
     """The length a frame's prefix announces; ValueError past the limit (the connection is dropped)."""
-    (n,) = _LEN.unpack(prefix)
+    n: int = _LEN.unpack(prefix)[0]
     if n > MAX_CONTROL_FRAME:
         raise ValueError(f"control frame of {n} bytes exceeds {MAX_CONTROL_FRAME}")
     return n

@@ -11,6 +11,8 @@ from kvfence.app.cli import main
 from kvfence.app.config import ServeConfig
 from kvfence.app.discovery import Discovery, parse_discovery
 from kvfence.app.worker_process import check_worker_settings
+from kvfence.transports.core.front_key import FrontKey
+from kvfence.transports.core.secret import DeploymentSecret
 
 
 def test_static_discovery_lists_control_addresses_and_etcd_names_one_endpoint() -> None:
@@ -55,5 +57,11 @@ def test_a_worker_process_needs_a_network_transport_the_secret_and_the_front_key
     with pytest.raises(ValueError, match="--front-public-key-file"):  # it takes steps only from its front end
         check_worker_settings(secret_only, "decode")
     ok = dataclasses.replace(secret_only, transport=dataclasses.replace(secret_only.transport,
-                                                                        front_public_key_file=str(tmp_path / "f")))
-    check_worker_settings(ok, "decode")
+                                                                        front_public_key_file=str(tmp_path / "f.pub")))
+    with pytest.raises(ValueError, match="--front-public-key-file .*cannot read it"):  # the files are read too
+        check_worker_settings(ok, "decode")
+    front = FrontKey.generate()
+    front.write(tmp_path / "f", tmp_path / "f.pub")
+    secret_read, key_read = check_worker_settings(ok, "decode")
+    assert key_read.fingerprint == front.public.fingerprint
+    assert isinstance(secret_read, DeploymentSecret)

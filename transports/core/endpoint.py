@@ -110,6 +110,12 @@ class Endpoint(Transport):
         self._outgoing.cancel(transfer_id)
         return True
 
+    def _close_once(self) -> bool:
+        """Mark this endpoint closed; True only the first time (aclose's idempotence)."""
+        first = not self._closed
+        self._closed = True
+        return first
+
     def _fail_pending(self) -> None:
         """Closing: every expected transfer and every push in flight fails ("transport_closed")."""
         if self._receiver is not None:

@@ -143,7 +143,7 @@ class OneSidedTransport(ListeningEndpoint):
         except BaseException:
             self._shutdown()
             raise
-        return self._info
+        return self.info
 
     def _loops(self) -> list[Callable[[], Coroutine[Any, Any, None]]]:
         return [self._accept_loop, self._poll_loop]
@@ -237,8 +237,9 @@ class OneSidedTransport(ListeningEndpoint):
         if (old := self._peers.pop(peer.address, None)) is not None:
             old.lose("peer_lost")
         self._peers[peer.address] = link
-        self._tg.start_soon(link.write_loop)
-        self._tg.start_soon(self._serve_receiver, link)
+        tg = self._serving_group()
+        tg.start_soon(link.write_loop)
+        tg.start_soon(self._serve_receiver, link)
         self._keep_alive(link.channel, _pinger(link), "sending link")
         return link
 
@@ -299,8 +300,7 @@ class OneSidedTransport(ListeningEndpoint):
         """Fail everything pending ("transport_closed"); ask the senders writing into this pool to
         stop and wait up to `cancel_ack_timeout_s` for every write in flight, both ways, to be
         terminal; then stop the tasks, close the sockets and the plane. Idempotent."""
-        if not self._closed:
-            self._closed = True
+        if self._close_once():
             self._fail_pending()
             if self._rx is not None:
                 self._rx.stop_all()

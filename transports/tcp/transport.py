@@ -92,7 +92,7 @@ class TcpTransport(ListeningEndpoint):
         except BaseException:
             self._close_sockets()
             raise
-        return self._info
+        return self.info
 
     def _stop_serving(self) -> None:
         self._close_sockets()
@@ -119,8 +119,7 @@ class TcpTransport(ListeningEndpoint):
         channel, reply = await self._dial(peer)
         try:
             connection = SenderConnection(channel, reply.info)
-            assert self._tg is not None
-            self._tg.start_soon(connection.run)
+            self._serving_group().start_soon(connection.run)
             self._keep_alive(channel, lambda: _ping(channel), "sending connection")
         except BaseException:
             channel.close()
@@ -159,8 +158,7 @@ class TcpTransport(ListeningEndpoint):
 
     async def aclose(self) -> None:
         """Fail everything pending ("transport_closed"), stop the tasks, close every socket."""
-        if not self._closed:
-            self._closed = True
+        if self._close_once():
             self._fail_pending()
             if self._tg is not None:  # _serve closes the sockets on its way out
                 self._tg.cancel_scope.cancel()

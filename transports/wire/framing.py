@@ -27,7 +27,7 @@ def encode_frame(message: msgspec.Struct) -> bytes:
 
 
 def frame_length(prefix: bytes | bytearray, limit: int = MAX_FRAME) -> int:
-    (n,) = _LEN.unpack(prefix)
+    n: int = _LEN.unpack(prefix)[0]
     if n > limit:
         raise ProtocolError(f"frame of {n} bytes exceeds {limit}")
     return n

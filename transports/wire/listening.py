@@ -84,6 +84,12 @@ class ListeningEndpoint(Endpoint):
         return (self._listener is not None and self._listener.fileno() != -1 and self._tg is not None
                 and not self._closed and not self._stopped.is_set())
 
+    def _serving_group(self) -> TaskGroup:
+        """The task group `_serve` runs (RuntimeError before `start` served)."""
+        if self._tg is None:
+            raise RuntimeError(f"{self.name} transport is not serving")
+        return self._tg
+
     def _close_listener(self) -> None:
         """Close the listening socket and every accepted connection still unauthenticated."""
         if self._listener is not None and self._listener.fileno() != -1:

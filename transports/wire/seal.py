@@ -131,7 +131,7 @@ class Opener(_Direction):
     def body_nbytes(header: bytes | bytearray | memoryview) -> int:
         """Bytes that follow a record's `header` (ciphertext and tag); ProtocolError when the
         header announces more than RECORD_MAX, before anything that long is read."""
-        (n,) = _LEN.unpack(header)
+        n: int = _LEN.unpack(header)[0]
         if n > RECORD_MAX:
             raise ProtocolError(f"a sealed record of {n} bytes exceeds {RECORD_MAX}")
         return n + TAG_BYTES

@@ -62,7 +62,7 @@ import socket
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -146,8 +146,8 @@ class _Write:
 
     __slots__ = ("xfer", "state")
 
-    def __init__(self, xfer: object, state: WriteState) -> None:
-        self.xfer: object | None = xfer
+    def __init__(self, xfer: Any, state: WriteState) -> None:
+        self.xfer: Any = xfer  # nixl's xfer handle (nixl ships no types); None once released
         self.state = state
 
 
@@ -316,6 +316,6 @@ class NixlPlane(DataPlane):
         xfer, write.xfer = write.xfer, None
         if xfer is not None:
             try:
-                xfer.release()  # type: ignore[attr-defined]
+                xfer.release()
             except Exception:
                 log.exception("releasing a nixl xfer handle failed")
