@@ -32,7 +32,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kvfence.scheduler.tenants import ANONYMOUS, RESERVED_NAMES, Tenant
+from kvfence.scheduler.core.tenants import ANONYMOUS, RESERVED_NAMES, Tenant
 
 _DIGEST_LEN = 64
 _TENANT_FIELDS = {"key_sha256", "max_running", "max_queued", "tokens_per_minute", "weight"}

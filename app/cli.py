@@ -300,7 +300,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _api_key(args: argparse.Namespace) -> int:
     from kvfence.app.api_keys import key_digest, new_key
-    from kvfence.scheduler.tenants import Tenant
+    from kvfence.scheduler.core.tenants import Tenant
 
     Tenant(args.tenant)  # a bad name fails here, not when the server reads the file
     key = new_key()
@@ -364,11 +364,20 @@ def _front_key(args: argparse.Namespace) -> int:
     return 0
 
 
+# The commands that run the model: the CPU kernels they use build and switch as the environment says.
+_RUNS_THE_MODEL = ("generate", "serve", "worker", "check")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from kvfence.engine.checkpoint import CheckpointError
     from kvfence.engine.model_registry import FetchError
 
+    if args.command in _RUNS_THE_MODEL:
+        from kvfence.app.environment import kernel_place
+        from kvfence.kernels.cpu import library
+
+        library.use(kernel_place())
     try:
         if args.command == "generate":
             return _generate(args)

@@ -1,6 +1,6 @@
 """The settings of `kvfence serve` (and `check`, `generate`): nested frozen configs, one per concern.
 
-Every setting is declared once, here or next to its owner (scheduler/config.py), with
+Every setting is declared once, here or next to its owner (scheduler/core/config.py), with
 app/settings.py: its default, help, validation, flag, KVFENCE_* variable and TOML key all come
 from that one declaration, and so do `kvfence serve --help` and the reference in README.md
 (`kvfence config-reference`). Sources, lowest first: defaults < TOML file (`--config`; one table per
@@ -22,7 +22,7 @@ from kvfence.app.settings import Settings, section, setting
 from kvfence.engine.attention_backend import BACKEND_NAMES
 from kvfence.engine.kv_pool import SCRUB_MODES
 from kvfence.engine.remote.protocol import DEFAULT_WORKER_TIMEOUT_S, MAX_WORKER_TIMEOUT_S
-from kvfence.scheduler.config import SchedulerSettings
+from kvfence.scheduler.core.config import SchedulerSettings
 from kvfence.transports.faults import FaultPlan
 from kvfence.transports.onesided.mooncake.plane import PROTOCOLS as MOONCAKE_PROTOCOLS
 from kvfence.transports.registry import known_transports

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvfence.app.http_errors import error_response
-from kvfence.scheduler.errors import RequestError, overloaded
+from kvfence.scheduler.core.errors import RequestError, overloaded
 
 ALWAYS_ANSWERED = frozenset({"/health", "/ready", "/metrics"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

@@ -7,7 +7,7 @@ from typing import Protocol
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.tenants import Tenant
+from kvfence.scheduler.core.tenants import Tenant
 
 
 class EngineClient(Protocol):

@@ -42,9 +42,9 @@ from kvfence.app.tool_parsers import CallHoldback
 from kvfence.app.tools import ToolPlan
 from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.output import OutputDelta
+from kvfence.scheduler.core.output import OutputDelta
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 MAX_SCHEMA_BYTES = 64 << 10  # one schema's JSON text
 MAX_TOOLS_SCHEMA_BYTES = 256 << 10  # every tool's parameters together

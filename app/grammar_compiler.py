@@ -32,7 +32,7 @@ import anyio
 
 from kvfence.engine.grammar import Compiled, compile_spec, grammar_key, new_compiler, tokenizer_info
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.errors import RequestError, overloaded
+from kvfence.scheduler.core.errors import RequestError, overloaded
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from kvfence.app.logprobs_shape import TokenPieces
 from kvfence.app.token_routes import TokenRoutes
 from kvfence.app.tools import ToolPlan, plan_tools
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.errors import RequestError, overloaded
+from kvfence.scheduler.core.errors import RequestError, overloaded
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from kvfence.app.openai_responses import ErrorBody, ErrorEnvelope
 from kvfence.app.openai_schemas import invalid
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 # msgspec ValidationError messages end with " - at `$.path`" when the error is below the root.
 _PATH_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")

@@ -23,7 +23,7 @@ from msgspec import UNSET, Struct
 from kvfence.app.tools import NamedToolChoice, Tool, ToolCall, message_calls
 from kvfence.app.grammar_bounds import check_schema
 from kvfence.engine.grammar import grammar_spec
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 FORBIDDEN_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
                     "page_ids", "lease", "transfer_id", "tenant", "tenant_id", "cache_key", "block_hashes")

@@ -21,7 +21,7 @@ from kvfence.app.guards import Guards
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.scheduler.transfer import TransferLink
-from kvfence.scheduler.prefix_cache import BLOCK_HASH_SCHEME
+from kvfence.scheduler.core.prefix_cache import BLOCK_HASH_SCHEME
 from kvfence.transports.base import PairingRecord, PairingRefused, Peer, Transport
 from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret

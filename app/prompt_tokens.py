@@ -22,7 +22,7 @@ from typing import Any
 
 from kvfence.engine.chat_template import ChatTemplateError, render_chat
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 # Texts up to this many characters are tokenized as they are (well under a millisecond's work).
 SHORT_TEXT_CHARS = 64 << 10

@@ -29,7 +29,7 @@ from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.scheduler.driver import Scheduler
-from kvfence.scheduler.errors import AdmissionRejected
+from kvfence.scheduler.core.errors import AdmissionRejected
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from kvfence.app.server import model_identity, serve_http
 from kvfence.app.sizing import configured_context
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.engine.protocol import WorkerLost

@@ -36,7 +36,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvfence.app.http_errors import body_too_large, error_response
-from kvfence.scheduler.errors import RequestError, overloaded
+from kvfence.scheduler.core.errors import RequestError, overloaded
 
 LINGER_S = 10.0  # longest a refused body is drained after its 413
 LINGER_BYTES = 256 << 20  # most bytes of a refused body drained after its 413

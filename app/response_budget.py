@@ -16,7 +16,7 @@ than the budget.
 
 from __future__ import annotations
 
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 DEFAULT_MAX_RESPONSE_ENTRIES = 1 << 18  # n = 1 with 20 alternatives over an 8,192-token context fits
 

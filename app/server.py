@@ -36,7 +36,7 @@ from kvfence.engine.worker import LocalWorkerChannel
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.metrics import SchedulerMetrics
-from kvfence.scheduler.tenants import Tenant
+from kvfence.scheduler.core.tenants import Tenant
 from kvfence.transports.base import PairingRefused, Transport
 from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret

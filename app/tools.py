@@ -31,7 +31,7 @@ from msgspec import Struct
 from kvfence.app.tool_parsers import call_syntax, split_calls
 from kvfence.app.grammar_bounds import check_tools
 from kvfence.engine.grammar import grammar_spec
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 

@@ -4,14 +4,14 @@ Every backend has the torch path's signatures (engine/attention.py), so the mode
 `backend.store_kv(keys, values, k, v, batch)` and `backend.paged_attention(q, keys, values, batch)`
 whichever runs:
 - torch: engine/attention.py itself, on any device.
-- cpu: the KV store and decode attention by kernels/cpu_attention.py over the pages in place
+- cpu: the KV store and decode attention by kernels/cpu/attention.py over the pages in place
   (float32 pools on a CPU with AVX2 and FMA where the CPU kernels build; anything else runs the
   torch path), prefill attention as torch.
 - triton: the kernels in kernels/ (paged decode, paged prefill, KV store), reading the pool in
   place. Compiled on CUDA; on the CPU only under TRITON_INTERPRET=1 (set before the kernel
   modules are first imported), which is for tests: it is about 1000x slower than torch.
 - auto: triton when the device is CUDA and triton (3.4 or later) imports; on the CPU, cpu where
-  the CPU kernels build (kernels/cpu_kernels.py), else torch.
+  the CPU kernels build (kernels/cpu/library.py), else torch.
 
 The kernels can also check page ownership themselves (their violation flags); these entry points
 run them without it, because AttentionBatch carries no leases, and never read the flags (that
@@ -62,7 +62,7 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        from kvfence.kernels import cpu_attention
+        from kvfence.kernels.cpu import attention as cpu_attention
 
         self._kernel = cpu_attention
         # The last batch's checked slots and tables: every layer of a step passes the same
@@ -160,7 +160,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self) -> None:
-        from kvfence.kernels import kv_store, paged_decode, paged_prefill
+        from kvfence.kernels.triton import kv_store, paged_decode, paged_prefill
 
         self._store = kv_store.store_kv_pages
         self._decode = paged_decode.paged_decode_attention
@@ -213,7 +213,7 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     if name == "torch":
         return "torch"
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
-        from kvfence.kernels import cpu_kernels
+        from kvfence.kernels.cpu import library as cpu_kernels
 
         if device.type != "cpu":
             raise ValueError(f"--attention-backend cpu runs on the CPU, not on {device}; use auto, triton or torch")

@@ -197,9 +197,9 @@ def _kind(t: Any, path: Path) -> str:
 
 
 def _blocks(t: Any, path: Path) -> GGUFTensor | None:
-    """A matrix of a block type the CPU GEMM keeps (kernels/cpu_quant.py) as its rows of blocks
+    """A matrix of a block type the CPU GEMM keeps (kernels/cpu/quant.py) as its rows of blocks
     (copied out of the file's mapping); None for anything else."""
-    from kvfence.kernels.cpu_quant import BLOCKS
+    from kvfence.kernels.cpu.quant import BLOCKS
 
     kind = _kind(t, path)
     if kind not in BLOCKS or len(t.shape) != 2:
@@ -242,7 +242,7 @@ def load_gguf(path: Path, weights: bool = True, cache_dir: Path | None = None,
     UnsupportedModelError) with the file named. With `cache_dir`, what an earlier load of the same
     file (same path, size and modification time) left there is read instead of the file
     (engine/gguf_cache.py): start-up in seconds, the same checkpoint. `keep_blocks`: matrices of
-    the block types kernels/cpu_quant.py keeps stay as they ship (GGUFTensor; read straight from
+    the block types kernels/cpu/quant.py keeps stay as they ship (GGUFTensor; read straight from
     the file, nothing cached)."""
     cache = GGUFCache(cache_dir, path) if cache_dir is not None else None
     meta, reader = _metadata(path, cache)

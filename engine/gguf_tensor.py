@@ -1,7 +1,7 @@
 """A weight as a GGUF file stores it: rows of quantized blocks of one type, not yet dequantized.
 
 The loader hands these out with `--weights native` (engine/gguf_loader.py) for the block types the
-CPU GEMM multiplies in their own format (kernels/cpu_quant.py); wherever a weight is needed as
+CPU GEMM multiplies in their own format (kernels/cpu/quant.py); wherever a weight is needed as
 floats (another device, another dtype, an odd shape) `dequantize()` gives exactly what the
 float32 loader gives: the same `gguf` package call on the same bytes.
 """

@@ -1,6 +1,6 @@
 """Linear layers with weights laid out once, at load, for the device's fastest GEMM.
 
-On a CPU with AVX2 and FMA, float32 weights are packed for kernels/cpu_gemm.py, which streams each
+On a CPU with AVX2 and FMA, float32 weights are packed for kernels/cpu/gemm.py, which streams each
 weight once per step and keeps the FMA units busy at every batch size (one thread, this machine:
 1.4-2.2x oneDNN's rate at 1 to 16 rows, level at 128; docs/benchmarks.md). Where it is
 unavailable (no AVX2, no C compiler, KVFENCE_CPU_KERNELS=off), CPU weights are reordered into
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfence.kernels import cpu_gemm, cpu_kernels
+from kvfence.kernels.cpu import gemm as cpu_gemm, library as cpu_kernels
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -34,7 +34,7 @@ class Linear:
     @classmethod
     def of_parts(cls, parts: list[cpu_gemm.Part], bias: torch.Tensor | None = None) -> Linear:
         """The rows of `parts` (float32 CPU tensors or GGUF block tensors) on the CPU GEMM, block
-        types kept as they ship (kernels/cpu_gemm.py); only where the CPU kernels are available."""
+        types kept as they ship (kernels/cpu/gemm.py); only where the CPU kernels are available."""
         self = cls.__new__(cls)
         self.packed = cpu_gemm.PackedWeight(parts, bias)
         self.out_features, self.in_features = self.packed.n, self.packed.k

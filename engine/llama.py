@@ -21,8 +21,8 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.linear import Linear
 from kvfence.engine.model_config import ModelConfig
 from kvfence.engine.rope import Rope
-from kvfence.kernels import cpu_elementwise, cpu_gemm, cpu_layer
-from kvfence.kernels import cpu_kernels as cpu_kernels_library
+from kvfence.kernels.cpu import elementwise as cpu_elementwise, gemm as cpu_gemm, layer as cpu_layer
+from kvfence.kernels.cpu import library as cpu_kernels_library
 
 
 @dataclasses.dataclass
@@ -40,7 +40,7 @@ class LlamaModel:
                  attention_backend: str = "auto", cpu_kernels: bool = True) -> None:
         """`attention_backend`: auto | torch | cpu | triton (engine/attention_backend.py).
         `cpu_kernels`: False runs torch's paths (oneDNN linears, torch attention under auto, torch
-        norms) even where kernels/cpu_kernels.py runs: what benchmarks compare against.
+        norms) even where kernels/cpu/library.py runs: what benchmarks compare against.
         Matrices the checkpoint kept in their GGUF block types (GGUFTensor) are multiplied as
         they are by the CPU GEMM where it runs float32 (the embedding and LM head included);
         anywhere else they are dequantized here, to what the float32 loader gives."""
@@ -95,7 +95,7 @@ class LlamaModel:
                 down=linear(p + "mlp.down_proj.weight"),
             ))
         self.rope = Rope(self.config, dtype, self.device, checkpoint.rope_freq_factors)
-        # The norms and SiLU·up as one C call each where the CPU kernels run (kernels/cpu_elementwise.py).
+        # The norms and SiLU·up as one C call each where the CPU kernels run (kernels/cpu/elementwise.py).
         c = self.config
         self.fused_elementwise = cpu_kernels and all(
             cpu_elementwise.usable(torch.empty(0, n, dtype=dtype, device=self.device))
@@ -103,7 +103,7 @@ class LlamaModel:
         self.fused_layers = self._fused_layers() if self.fused_elementwise else None
 
     def _fused_layers(self) -> cpu_layer.FusedLayers | None:
-        """Every layer of a step in one C call each (kernels/cpu_layer.py), where the
+        """Every layer of a step in one C call each (kernels/cpu/layer.py), where the
         CPU backend attends and every linear is packed for it; None elsewhere."""
         c = self.config
         packed = [lin.packed for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -138,7 +138,7 @@ class LlamaModel:
         """input_ids, positions: [T] int64; logits_rows: [N] rows to score -> logits [N, vocab] float32.
 
         Writes every token's K/V into the pages `batch` names, then attends through them. On the
-        CPU kernels each layer is one C call (kernels/cpu_layer.py), which computes exactly what
+        CPU kernels each layer is one C call (kernels/cpu/layer.py), which computes exactly what
         the per-op loop below computes on them. `between_layers` is called before each layer; an
         exception it raises stops the forward there, leaving the K/V of the layers before it
         written into the batch's slots and nothing else (a step cut short, engine/runner.py).

@@ -2,7 +2,7 @@
 table alone (no weight is read): what `kvfence check` prints beside the KV pools.
 
 With `--weights native` on the CPU in float32, a matrix of a kept block type is held as its
-panels (kernels/cpu_quant.py: the file's own bits per weight, rows padded to panels of 16);
+panels (kernels/cpu/quant.py: the file's own bits per weight, rows padded to panels of 16);
 anything else is held as floats of the worker's dtype. With the CPU kernels a float matrix is
 packed into float32 panels, and a tied embedding is held twice (the lookup table and the LM
 head's panels); a kept embedding serves both as one.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvfence.engine.gguf_loader import GGUFMetadata, canonical_name
-from kvfence.kernels import cpu_quant
+from kvfence.kernels.cpu import quant as cpu_quant
 
 _PANEL_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q8_0": 544}  # per 32 values of a panel's 16 rows
 _SUPER_BYTES = {"Q4_K": 2368, "Q6_K": 3360}  # per 256

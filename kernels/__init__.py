@@ -1,7 +1,11 @@
-"""Triton kernels, each in its own module with a launcher that checks its arguments:
-`paged_decode`, `paged_prefill`, `kv_store`; their torch references are in `reference`
-(`page_digest` explains why page digests stay on the host).
+"""The kernels, by where they run:
 
-Nothing is imported here: `import kvfence.kernels` works without triton, and only importing a
-kernel module needs it. Set TRITON_INTERPRET=1 before importing one to run it on the CPU.
+- `kernels.cpu`: C kernels of a CPU worker's steps (GEMM over float32 or GGUF block weights,
+  attention over the pool's pages in place, the element-wise steps, a whole layer per call), built
+  by the system's C compiler on first use and called through ctypes;
+- `kernels.triton`: Triton kernels of a GPU worker's attention and KV stores (`paged_decode`,
+  `paged_prefill`, `kv_store`), with their torch references in `reference`.
+
+This package imports nothing of kvfence; nothing is imported here, so `import kvfence.kernels`
+needs neither triton nor a compiler.
 """

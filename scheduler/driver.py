@@ -1,4 +1,4 @@
-"""The server's scheduler: the scheduler core (scheduler/core.py) driven against real workers and a
+"""The server's scheduler: the scheduler core (scheduler/core/scheduler.py) driven against real workers and a
 KV transfer link, on the event loop.
 
 Thin on purpose: it reads the clock, turns the core's actions into tasks in the server's task
@@ -25,17 +25,17 @@ from anyio.abc import TaskGroup
 
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.actions import CutStep, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
-from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.core import SchedulerCore
+from kvfence.scheduler.core.actions import CutStep, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
+from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.scheduler import SchedulerCore
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.tenants import ANONYMOUS, INTERNAL, Tenant
+from kvfence.scheduler.core.tenants import ANONYMOUS, INTERNAL, Tenant
 from kvfence.engine.protocol import StepFailed, WorkerChannel, WorkerLost, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
-from kvfence.scheduler.page_ledger import PageLedger
-from kvfence.scheduler.request import Request, State
+from kvfence.scheduler.core.page_ledger import PageLedger
+from kvfence.scheduler.core.request import Request, State
 from kvfence.scheduler.transfer import TransferLink
-from kvfence.scheduler.worker_binding import WorkerBinding
+from kvfence.scheduler.core.worker_binding import WorkerBinding
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator, Callable
 import anyio
 
 from kvfence.engine.logprobs import TokenLogprobs
-from kvfence.scheduler.output import OutputDelta
+from kvfence.scheduler.core.output import OutputDelta
 
 
 class RequestHandle:

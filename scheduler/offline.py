@@ -1,9 +1,9 @@
 """Generation without a server: the scheduler core with a synchronous driver (`kvfence generate`,
 the readiness canary's local answer, and the engine's tests).
 
-The same core as the server (scheduler/core.py) with one worker bound to both roles: the same
+The same core as the server (scheduler/core/scheduler.py) with one worker bound to both roles: the same
 admission, page grants, growth and preemption, continuous batching of decode steps with prefill
-chunks up to a token budget, and the same output rules (scheduler/output.py). The driver calls the
+chunks up to a token budget, and the same output rules (scheduler/core/output.py). The driver calls the
 worker directly, in this thread, and applies the last releases before returning, so the pool is
 untagged and scrubbed when `generate` returns.
 """
@@ -19,12 +19,12 @@ from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.worker import Worker
-from kvfence.scheduler.actions import CutStep, Emit, SendStep
-from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.core import SchedulerCore
-from kvfence.scheduler.errors import AdmissionRejected
-from kvfence.scheduler.page_ledger import PageLedger
-from kvfence.scheduler.worker_binding import WorkerBinding
+from kvfence.scheduler.core.actions import CutStep, Emit, SendStep
+from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.scheduler import SchedulerCore
+from kvfence.scheduler.core.errors import AdmissionRejected
+from kvfence.scheduler.core.page_ledger import PageLedger
+from kvfence.scheduler.core.worker_binding import WorkerBinding
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import msgspec
 
 import anyio
 
-from kvfence.scheduler.actions import MoveResult, StartTransfer
+from kvfence.scheduler.core.actions import MoveResult, StartTransfer
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.transports.base import Peer, TransferManifest, TransferResult, Transport
 from kvfence.transports.core.front_key import FrontKey

@@ -94,7 +94,7 @@ def _labelled(module, name: str, label: str) -> None:  # type: ignore[no-untyped
 def profile(runner: ModelRunner, batch: Batch, rows: int = 16) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from kvfence.kernels import cpu_attention, cpu_elementwise, cpu_gemm, cpu_layer
+    from kvfence.kernels.cpu import attention as cpu_attention, elementwise as cpu_elementwise, gemm as cpu_gemm, layer as cpu_layer
 
     wrapped = [(cpu_layer.FusedLayers, "run", "kvfence::fused_layers (C, every layer)"),
                (cpu_gemm.PackedWeight, "__call__", "kvfence::gemm (C)"),

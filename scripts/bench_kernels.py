@@ -1,7 +1,7 @@
-"""The CPU kernels (kernels/cpu_kernels.c) against the paths they replace, interleaved step by step.
+"""The CPU kernels (kernels/cpu/kernels.c) against the paths they replace, interleaved step by step.
 
 Three models over one pool: the CPU kernels as the engine runs them (a decode step's layers one
-C call each, kernels/cpu_layer.py), the same kernels one call per op (packed GEMM, CPU attention
+C call each, kernels/cpu/layer.py), the same kernels one call per op (packed GEMM, CPU attention
 backend, fused norms and SiLU·up), and torch's paths (oneDNN linears, torch attention, torch
 norms: `LlamaModel(cpu_kernels=False)`). Each batch size decodes greedy steps taking turns on the
 three, so a machine that drifts (a shared host does) moves every column alike; the ratios are
@@ -34,7 +34,7 @@ from kvfence.engine.loading import load_model_spec
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.token_counts import LeaseTokenCounts
-from kvfence.kernels import cpu_kernels
+from kvfence.kernels.cpu import library as cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sampling import PAGE_SIZE, Batch  # noqa: E402
@@ -57,7 +57,7 @@ def per_call(fn, repeats: int = 50) -> float:  # type: ignore[no-untyped-def]
 
 def ops() -> None:
     from kvfence.engine.attention import build_attention_batch, paged_attention
-    from kvfence.kernels import cpu_attention, cpu_gemm
+    from kvfence.kernels.cpu import attention as cpu_attention, gemm as cpu_gemm
 
     print(f"{'threads':>8}{'M':>5}" + "".join(f"{name:>18}" for name in SHAPES) + "   (GFLOP/s packed / oneDNN)")
     for threads in (1, 2):

@@ -76,7 +76,7 @@ def decode_bench(args: argparse.Namespace) -> tuple[bool, list[str]]:
     import torch
 
     from kvfence.engine.attention import build_attention_batch, paged_attention
-    from kvfence.kernels.paged_decode import paged_decode_attention
+    from kvfence.kernels.triton.paged_decode import paged_decode_attention
 
     device = torch.device("cpu" if args.dry_run else "cuda:0")
     layers, kv_heads, heads, head_dim, page_size = (2, 3, 9, 64, 16) if args.dry_run else (30, 3, 9, 64, 16)

@@ -8,12 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfence.app.environment import kvfence_home
+from kvfence.app.environment import kernel_place, kvfence_home
 from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
 from kvfence.engine.loading import checkpoint_cache
 from kvfence.engine.model_registry import resolve_model
+from kvfence.kernels.cpu import library
 
 DATA = Path(__file__).parent / "data"
+
+library.use(kernel_place())  # the test process builds and switches its CPU kernels as `kvfence` commands do
 
 
 @pytest.fixture

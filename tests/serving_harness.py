@@ -21,10 +21,10 @@ from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker, LocalWorkerChannel
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.request import State
+from kvfence.scheduler.core.request import State
 from kvfence.transports.base import Transport
 from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret

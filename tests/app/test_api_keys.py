@@ -13,7 +13,7 @@ from test_http_api import CHAT, MODEL, StubEngine, chat_body
 from kvfence.app.api_keys import ApiKeys, ApiKeysError, key_digest
 from kvfence.app.cli import main
 from kvfence.app.http_api import build_app
-from kvfence.scheduler.tenants import ANONYMOUS
+from kvfence.scheduler.core.tenants import ANONYMOUS
 
 KEY_A, KEY_B, ADMIN = "key-of-a", "key-of-b", "the-admin-key"
 

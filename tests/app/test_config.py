@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvfence.app.config import ServeConfig, config_reference, load_config, parse_bytes
-from kvfence.scheduler.config import SchedulerSettings
+from kvfence.scheduler.core.config import SchedulerSettings
 
 
 def test_precedence(tmp_path: Path) -> None:

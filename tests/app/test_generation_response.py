@@ -15,9 +15,9 @@ from test_http_api import CHAT, CHAT_TEMPLATE, COMPLETIONS, StubEngine, chat_bod
 
 from kvfence.app.http_api import build_app
 from kvfence.engine.logprobs import TokenLogprobs
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.output import OutputDelta
+from kvfence.scheduler.core.output import OutputDelta
 
 
 def run_fed(engine: StubEngine, path: str, body: dict, feed) -> tuple[list[dict], list[dict]]:  # type: ignore[no-untyped-def]

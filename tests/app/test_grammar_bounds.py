@@ -8,7 +8,7 @@ import pytest
 
 from kvfence.app import grammar_bounds as b
 from kvfence.app.grammar_bounds import check_schema, check_tools
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 PARAM = "response_format.json_schema.schema"
 

@@ -11,7 +11,7 @@ import pytest
 from kvfence.app.grammar_compiler import GrammarCompiler
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.grammar import Compiled, grammar_spec
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 SCHEMA = grammar_spec("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                       strict=True)

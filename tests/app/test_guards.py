@@ -30,7 +30,7 @@ from kvfence.engine.kv_pool import POISON_VALUE, SCRUB_MODES, UNSCRUBBED, KVPool
 from kvfence.engine.protocol import PageGrant, RunStep, StepDone
 from kvfence.engine.runner import SeqWork
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.actions import StartTransfer
+from kvfence.scheduler.core.actions import StartTransfer
 from kvfence.transports.core import digest
 from kvfence.transports.core.front_key import FrontKey, FrontPublicKey
 from kvfence.transports.core.secret import AuthenticationFailed, DeploymentSecret

@@ -13,13 +13,13 @@ import pytest
 from kvfence.app.http_api import INLINE_BODY_BYTES, build_app
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
-from kvfence.scheduler.errors import (
+from kvfence.scheduler.core.errors import (
     AdmissionRejected,
     context_length_exceeded,
     overloaded,
 )
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.tenants import Tenant
+from kvfence.scheduler.core.tenants import Tenant
 from starlette.testclient import TestClient
 from tokenizers import pre_tokenizers
 
@@ -462,7 +462,7 @@ def test_a_special_tokens_text_in_a_message_is_encoded_as_text_unless_allowed() 
 
 def test_without_keys_each_client_address_is_a_share_of_its_own() -> None:
     """The anonymous tenant is one tenant (one prefix cache, one set of limits), but each client
-    address is a fair share within it (scheduler/reservation.py), so one client's flood cannot
+    address is a fair share within it (scheduler/core/reservation.py), so one client's flood cannot
     take every slot; with keys the tenant itself is the share."""
     engine = StubEngine("reject")
     with TestClient(build_app(engine), client=("10.1.2.3", 5000)) as client:

@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 from kvfence.app.http_api import build_app
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.output import OutputDelta
+from kvfence.scheduler.core.output import OutputDelta
 from test_http_api import (
     CHAT,
     COMPLETIONS,

@@ -10,7 +10,7 @@ import pytest
 from kvfence.app import openai_responses as r
 from kvfence.app import openai_schemas as s
 from kvfence.app.http_errors import decode_body, error_envelope, from_validation_error
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 CHAT = msgspec.json.Decoder(s.ChatCompletionRequest)
 COMPLETION = msgspec.json.Decoder(s.CompletionRequest)

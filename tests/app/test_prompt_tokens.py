@@ -11,7 +11,7 @@ from test_http_api import make_tokenizer
 from kvfence.app.prompt_tokens import SHORT_TEXT_CHARS, PromptEncoder
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 
 def texts(seed: int) -> list[str]:

@@ -10,8 +10,8 @@ from serving_harness import Serving, compute_thread, start_serving
 from kvfence.app.readiness import ReadinessCanary, Reference, local_reference
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.request import State
+from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.request import State
 
 
 def reference(serving: Serving, tiny: Checkpoint) -> Reference:

@@ -12,7 +12,7 @@ import pytest
 from kvfence.app import openai_schemas as s
 from kvfence.app.tool_parsers import CallHoldback, split_calls
 from kvfence.app.tools import Tool, ToolPlan, plan_tools, read_calls
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "required": ["city"], "additionalProperties": False, "properties": {"city": {"type": "string"}}}}}

@@ -10,7 +10,7 @@ from kvfence.engine.attention import build_attention_batch
 from kvfence.engine.attention_backend import (
     CpuBackend, TorchBackend, kernel_batch, resolve_backend_name, select_attention_backend,
 )
-from kvfence.kernels import cpu_kernels
+from kvfence.kernels.cpu import library as cpu_kernels
 
 
 @pytest.fixture

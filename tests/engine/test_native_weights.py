@@ -18,7 +18,7 @@ from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.weight_size import weight_bytes
-from kvfence.kernels import cpu_gemm, cpu_kernels
+from kvfence.kernels.cpu import gemm as cpu_gemm, library as cpu_kernels
 from kvfence.scheduler.offline import OfflineEngine
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available() and cpu_kernels.unavailable_as_expected(),

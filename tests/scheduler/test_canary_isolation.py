@@ -17,10 +17,10 @@ from serving_harness import start_serving
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.errors import AdmissionRejected
+from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.tenants import Tenant
+from kvfence.scheduler.core.tenants import Tenant
 from kvfence.transports.faults import FaultPlan
 
 CONTEXT = 512

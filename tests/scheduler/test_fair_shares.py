@@ -13,10 +13,10 @@ from serving_harness import start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.request import State
-from kvfence.scheduler.tenants import Tenant
+from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.tenants import Tenant
 
 PAGE = 4
 FLOOD, OTHER = Tenant("flood"), Tenant("other")

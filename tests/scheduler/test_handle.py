@@ -6,9 +6,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from kvfence.scheduler.errors import RequestError
+from kvfence.scheduler.core.errors import RequestError
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.output import OutputDelta
+from kvfence.scheduler.core.output import OutputDelta
 
 
 def handle() -> RequestHandle:

@@ -12,7 +12,7 @@ from kvfence.engine.page_tables import LeasePageTables
 from kvfence.engine.protocol import PageGrant, RunStep, decode_request, encode
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.lease_table import LeaseTable
+from kvfence.scheduler.core.lease_table import LeaseTable
 from kvfence.scheduler.offline import OfflineEngine
 
 PAGE = 4

@@ -22,12 +22,12 @@ from kvfence.engine.llama import LlamaModel
 from kvfence.scheduler.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
-from kvfence.scheduler.errors import AdmissionRejected
+from kvfence.scheduler.core.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.engine.ids import mint_id
-from kvfence.scheduler.request import State
+from kvfence.scheduler.core.request import State
 
 PAGE = 4
 CONTEXT = 96

@@ -17,11 +17,11 @@ from serving_harness import Serving, serving_in, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.actions import StartTransfer
-from kvfence.scheduler.config import SchedulerConfig
-from kvfence.scheduler.core import SchedulerCore
+from kvfence.scheduler.core.actions import StartTransfer
+from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.scheduler import SchedulerCore
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.tenants import Tenant
+from kvfence.scheduler.core.tenants import Tenant
 from test_scheduler import offline_greedy
 
 PAGE = 4

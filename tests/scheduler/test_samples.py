@@ -15,9 +15,9 @@ from serving_harness import Serving, read_each, serving_in, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.errors import AdmissionRejected
+from kvfence.scheduler.core.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.tenants import Tenant
+from kvfence.scheduler.core.tenants import Tenant
 from test_prefix_cache import cache_config, moved_pages, run
 from test_scheduler import offline_greedy
 

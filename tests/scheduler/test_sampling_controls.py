@@ -19,7 +19,7 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.offline import OfflineEngine
 
 PAGE = 4

@@ -21,9 +21,9 @@ from kvfence.scheduler.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
-from kvfence.scheduler.errors import AdmissionRejected
+from kvfence.scheduler.core.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.engine.ids import mint_id
 
@@ -274,7 +274,7 @@ async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed
     s = harness.scheduler
     if not s.config.disaggregated:
         pytest.skip("colocated requests have no transfer")
-    from kvfence.scheduler import lease_table
+    from kvfence.scheduler.core import lease_table
     from kvfence.engine.protocol import Landing
 
     short = [True]

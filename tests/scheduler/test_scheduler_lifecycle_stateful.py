@@ -27,10 +27,10 @@ from serving_harness import start_serving_over
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.output import OutputDelta
-from kvfence.scheduler.page_ledger import PageLedger
+from kvfence.scheduler.core.output import OutputDelta
+from kvfence.scheduler.core.page_ledger import PageLedger
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.onesided.data_plane import WriteState
 

@@ -22,7 +22,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.protocol import WorkerLost
 from kvfence.engine.remote.protocol import HANDSHAKE_LABEL, PREFIX_BYTES
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.base import PairingRefused

@@ -16,7 +16,7 @@ from serving_harness import assert_baseline, serve_all, small_config, start_serv
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.grammar import LeaseGrammars, compile_spec, grammar_spec, new_compiler, tokenizer_info
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 
 PAGE = 4

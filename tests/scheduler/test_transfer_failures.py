@@ -14,10 +14,10 @@ from serving_harness import Serving, start_serving, until_transferring, wait_idl
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.request import State
-from kvfence.scheduler.tenants import Tenant
+from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.tenants import Tenant
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]

@@ -23,7 +23,7 @@ from kvfence.app.remote_front import check_worker, pair_remote
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler import remote_worker
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.core.secret import DeploymentSecret

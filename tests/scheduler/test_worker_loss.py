@@ -23,11 +23,11 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.offline import OfflineEngine
-from kvfence.scheduler.request import State
+from kvfence.scheduler.core.request import State
 from kvfence.transports.core.secret import DeploymentSecret
 
 LONG = [list(range(5 + i, 12 + i)) for i in range(4)]  # short prompts that decode for long

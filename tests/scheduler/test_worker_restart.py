@@ -11,7 +11,7 @@ from serving_harness import Serving, start_serving, until_transferring, wait_idl
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler.config import SchedulerConfig
+from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, StepFailed
 

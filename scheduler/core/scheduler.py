@@ -1,0 +1,482 @@
+"""The scheduler core: every decision about requests and pages, with no I/O.
+
+Events come in as method calls — `submit`, `abort`, `step_replied`, `transfer_finished`,
+`transfer_quiet`, `tick` — each carrying the time (the core reads no clock); actions go out
+through `take_actions()`: SendStep, StartTransfer, Emit, WatchQuiet (scheduler/core/actions.py). No
+awaits: a driver (scheduler/driver.py for the server, scheduler/offline.py for `kvfence generate`)
+carries the actions out and feeds their results back.
+
+Workers are bindings (scheduler/core/worker_binding.py), each of a role (prefill, decode, or both:
+colocated), joined into pairs (a prefill and a decode worker whose endpoints paired, or one
+colocated worker); workers and pairs come (`add_pair`) and go (`worker_lost`) while serving. Each
+attempt of a request runs on one pair, the router's pick at reservation (scheduler/core/router.py). A
+step for a worker holds the decode steps of the requests decoding on it and prefill chunks of the
+requests prefilling on it; a request whose prefill and decode leases are one (the same pool)
+starts decoding where it prefilled, any other moves its KV first. Each worker has at most one step
+in flight.
+
+Workers coming and going, and what a step's reply says about its worker (a failed or refused
+step, a restart, an integrity violation), are scheduler/core/worker_events.py's.
+
+Page ownership: every request gets a lease per pool it uses (128-bit, minted here). The pool's
+lease table (scheduler/core/lease_table.py) hands pages to the lease; the grant travels in the next
+message to that worker, which tags the pages before it runs anything; a release returns the pages
+to the ledger at once and the worker untags and scrubs them at the start of its next message.
+A transfer starts only once the worker has applied its destination lease's grant.
+
+Lifecycle (scheduler/core/request.py): each live request is in exactly one index, the one of its state
+(`queue` for WAITING, in order; one dict for each running state), and `_move`, `_requeue` (a
+preempted request) and `_end` are the only places a state changes. An end asked for while a step
+or a transfer may still touch the request's pages (an abort, a restart) waits in `pending_end`
+until nothing does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.scheduler.core.actions import Action, CutStep, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
+from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.errors import AdmissionRejected, RequestError, overloaded
+from kvfence.engine.ids import id_hex, mint_id
+from kvfence.engine.logprobs import TokenLogprobs
+from kvfence.engine.protocol import RunStep, SeqStep
+from kvfence.scheduler.metrics import SchedulerMetrics
+from kvfence.scheduler.core.output import OutputDelta, TextOutput
+from kvfence.scheduler.core.policy import (RecentGroups, contended_chunks, decode_steps, first_token_on, grant_goes_ahead,
+                                      prefilling_on, turn_order, waits_for_device)
+from kvfence.scheduler.core.preemption import Preemption
+from kvfence.scheduler.core.prefix_cache import chain_root, reusable_blocks
+from kvfence.scheduler.core.reservation import Reservation
+from kvfence.scheduler.core.request import Request, State, client_closed
+from kvfence.scheduler.core.tenants import ANONYMOUS, Tenant, TenantLoads
+from kvfence.scheduler.core.worker_binding import Pair, Step, WorkerBinding
+from kvfence.scheduler.core.worker_events import WorkerEvents
+
+log = logging.getLogger(__name__)
+
+RUNNING = (State.PREFILLING, State.TRANSFERRING, State.DECODING)
+
+
+class SchedulerCore(Reservation, Preemption, WorkerEvents):
+    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, prefill: WorkerBinding, decode: WorkerBinding,
+                 metrics: SchedulerMetrics | None = None, *, mint: Callable[[], int] = mint_id,
+                 max_context_tokens: int | None = None) -> None:
+        """The first pair: `prefill` and `decode`, or one worker bound to both roles (`prefill is
+        decode`: colocated), holding `max_context_tokens` (default and at most the config's). `mint`: where lease, request and
+        transfer ids come from (a deterministic source makes a run replayable)."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.workers: list[WorkerBinding] = []
+        self.pairs: list[Pair] = []
+        self._pairs_changed = False
+        self.metrics = metrics or SchedulerMetrics()
+        self.mint = mint
+        self.draining = False
+        self.queue: deque[Request] = deque()  # WAITING, in the order they get pages
+        self._running: dict[State, dict[str, Request]] = {s: {} for s in RUNNING}
+        self._live: dict[str, Request] = {}
+        self._quarantined: dict[int, list[tuple[WorkerBinding, int]]] = {}  # transfer key -> leases held
+        self._actions: list[Action] = []
+        self._arrivals = 0
+        self._step_id = 0
+        self._transfer_keys = 0
+        self._tenants = TenantLoads()
+        self._recent = RecentGroups(config.contention_window_s)
+        self._seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
+        self.add_pair(prefill, decode, max_context_tokens)
+        if config.unsafe_cache_across_tenants:
+            log.error("UNSAFE: the prefix cache is shared across tenants (unsafe_cache_across_tenants, a broken guard "
+                      "for testing the prober); never run this in production")
+
+    # ---- queries ----
+
+    def take_actions(self) -> list[Action]:
+        actions, self._actions = self._actions, []
+        return actions
+
+    def request(self, request_id: str) -> Request | None:
+        """A live (not yet ended) request."""
+        return self._live.get(request_id)
+
+    def requests_in(self, state: State) -> list[Request]:
+        return list(self.queue) if state is State.WAITING else list(self._running[state].values())
+
+    def num_running(self) -> int:
+        return sum(len(group) for group in self._running.values())
+
+    def in_flight(self) -> int:
+        """Requests admitted and not yet ended."""
+        return len(self._live)
+
+    def pages_in_use(self) -> dict[str, int]:
+        """Pages held per worker by leases and quarantines (the baseline is 0 when idle, whatever
+        the prefix cache holds: `pages_cached`)."""
+        return {w.name: w.ledger.num_in_use for w in self.workers}
+
+    def pages_cached(self) -> dict[str, int]:
+        """Pages per worker that only the prefix cache holds (evicted when a reservation needs them)."""
+        return {w.name: w.ledger.num_cached_idle for w in self.workers}
+
+    def report_metrics(self, now: float) -> None:
+        for w in self.workers:
+            ledger = w.ledger
+            quarantined, since = ledger.num_quarantined, ledger.quarantined_since
+            self.metrics.pool(w.name, ledger.num_pages, ledger.num_in_use - quarantined, quarantined,
+                              ledger.num_cached_idle, 0.0 if since is None else now - since, w.draining)
+        self.metrics.queue_sizes(len(self.queue), self.num_running())
+
+    # ---- events ----
+
+    def submit(self, prompt: list[int], params: SamplingParams, now: float, *, priority: bool = False,
+               tenant: Tenant = ANONYMOUS, cache_salt: str = "") -> Request:
+        """Admit or raise AdmissionRejected; nothing is reserved for a rejected request.
+
+        `tenant`: who it is for (from the authenticated key); its limits hold here: over its
+        tokens per minute or with `max_queued` requests waiting, 429 with Retry-After; at
+        `max_running`, it waits while other tenants' requests behind it start.
+        `priority`: a server-internal request (the readiness canary; the HTTP API never sets it),
+        ahead of every queued one: no queue, running-slot or tenant limit applies, and when the
+        decode pool is full the newest running request is preempted to make room for it; it is
+        never cached (the canary runs the whole path every time).
+        `cache_salt`: partitions the prefix cache further within the tenant (never across tenants:
+        the chain is rooted in the tenant's name and its pages carry the tenant's seal)."""
+        return self._admit(prompt, [params], now, priority, tenant, cache_salt)[0]
+
+    def submit_samples(self, prompt: list[int], samples: list[SamplingParams], now: float, *,
+                       tenant: Tenant = ANONYMOUS, cache_salt: str = "") -> list[Request]:
+        """Admit the samples of one request (OpenAI's `n`) together, or refuse them all, as `submit`
+        does one (the queue and the tenant's `max_queued` must hold all of them; the prompt counts
+        once against its tokens per minute). Each sample is a request of its own: its leases,
+        output and finish; `samples` differ only in their seeds.
+
+        The prompt is prefilled and moved once: with the prefix cache on, the first sample goes
+        first and the others wait in the queue (without holding up anyone behind them) until its
+        full prompt pages are cached in both pools, then share them read-only; each computes only
+        the page of the prompt's last token, which it writes its own tokens into, and decodes on
+        its own pages. Once the first has been preempted or retried, they stop waiting for it."""
+        if len(samples) > max(self.config.max_queue, 1):
+            raise AdmissionRejected(400, "invalid_value", f"n is {len(samples)}, but this server queues at most "
+                                    f"{self.config.max_queue} requests; ask for fewer samples", param="n")
+        if any(p.max_tokens != samples[0].max_tokens for p in samples):
+            raise ValueError("the samples of one request have the same max_tokens")
+        return self._admit(prompt, samples, now, False, tenant, cache_salt)
+
+    def _admit(self, prompt: list[int], samples: list[SamplingParams], now: float, priority: bool, tenant: Tenant,
+               cache_salt: str) -> list[Request]:
+        max_tokens = self.admissible(prompt, samples[0], now)
+        load = self._tenants.of(tenant, now)
+        refusal = None if priority else self._tenants.refusal(load, now, len(samples))
+        if refusal is not None:
+            self.metrics.rejected(refusal[0])
+            raise refusal[1]
+        running = self.num_running()
+        if not priority and len(self.queue) + len(samples) > self.config.max_queue and (
+                self.queue or running >= self.config.max_running
+                or not any(self._can_reserve(pair, len(prompt), running) for pair in self.serving_pairs)):
+            self.metrics.rejected("queue_full")
+            raise overloaded(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
+        admitted: list[Request] = []
+        if not priority:  # the server's own checks contend with nobody
+            self._recent.arrived(tenant.share_key, now)
+        for params in samples:
+            self._arrivals += 1
+            req = Request(id_hex(self.mint()), list(prompt), params, max_tokens,
+                          TextOutput(self.tokenizer, prompt, params, max_tokens), now, tokens=list(prompt),
+                          prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name,
+                          share=tenant.share_key, weight=tenant.weight)
+            if self.config.prefix_cache and not priority:
+                scope = "*" if self.config.unsafe_cache_across_tenants else tenant.name  # "*": not a tenant name
+                req.cache_root, req.seal = chain_root(scope, cache_salt), self._seal_of(scope)
+                if admitted and reusable_blocks(len(prompt), self.config.page_size_tokens):
+                    req.leader = admitted[0]
+            self._live[req.request_id] = req
+            load.queued += 1
+            if priority:
+                self.queue.insert(self._queue_front(), req)
+            else:
+                self.queue.append(req)
+            admitted.append(req)
+        load.spend(len(prompt) + len(samples) * max_tokens, now)  # what it may use; settled at its end (_end)
+        self._schedule(now)
+        return admitted
+
+    def admissible(self, prompt: list[int], params: SamplingParams, now: float) -> int:
+        """The request's max_tokens if it can ever be served; else raise AdmissionRejected."""
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_context_tokens - len(prompt)
+        if not prompt:
+            raise AdmissionRejected(400, "invalid_prompt", "the prompt is empty", param="prompt")
+        refusal = self._refusal(len(prompt), len(prompt), max_tokens, now)
+        if refusal is not None:
+            self.metrics.rejected(refusal.reason)
+            raise refusal.error
+        if self.draining:
+            self.metrics.rejected("draining")
+            raise overloaded("the server is shutting down; retry on another replica", retry_after_s=5)
+        return max_tokens
+
+    def _seal_of(self, tenant: str) -> int:
+        seal = self._seals.get(tenant)
+        if seal is None:
+            seal = self._seals[tenant] = self.mint()
+        return seal
+
+    def flush_cache(self, now: float) -> dict[str, int]:
+        """Drop every prefix-cache entry of every pool; pages only the cache held are freed now
+        (returned per worker), pages requests still read when those requests let go."""
+        freed = {w.name: w.table.flush() for w in self.workers}
+        log.info("prefix cache flushed: %s pages freed", ", ".join(f"{n} {name}" for name, n in freed.items()))
+        self._schedule(now)
+        return freed
+
+    def abort(self, request_id: str, now: float, error: RequestError | None = None) -> None:
+        """End a request (the client went away, unless `error` says otherwise); its pages come
+        back when no step or transfer can touch them. A no-op for an ended request."""
+        req = self._live.get(request_id)
+        if req is None or req.pending_end is not None:
+            return
+        req.pending_end = error or client_closed()
+        self._schedule(now)
+
+    def transfer_finished(self, key: int, result: MoveResult, now: float, *, crashed: bool = False) -> None:
+        """Transfer `key` ended (`crashed`: its task failed; what the transport did is unknown)."""
+        req = next(r for r in self._running[State.TRANSFERRING].values() if r.transfer == key)
+        assert req.pair is not None
+        prefill, decode = req.pair.prefill, req.pair.decode
+        req.transfer = 0
+        self.metrics.transfer(result.ok, result.nbytes, now - req.prefill_done_s)
+        held: list[tuple[WorkerBinding, int]] = []
+        if result.source_quiet:
+            prefill.table.release(req.prefill_lease)
+        else:  # a posted one-sided write may still read them
+            held.append((prefill, req.prefill_lease))
+        if not result.quiet:  # a write may still land: the destination pages stay out of the free list
+            held.append((decode, req.decode_lease))
+            req.decode_lease = 0
+        req.prefill_lease = 0
+        for w, lease in held:
+            self._quarantine(w, lease, now)
+        if held and result.until_quiet is not None:
+            self._quarantined[key] = held
+            self._actions.append(WatchQuiet(key, result.until_quiet))
+        if req.pending_retry and result.ok and decode in self.workers:
+            req.pending_retry = False  # its prefill worker was lost after the KV left it: decoding goes on
+        if req.pending_retry and req.pending_end is None and not crashed:
+            self._retry(req, now)
+        elif crashed:
+            self._end(req, RequestError(500, "kv_transfer_failed", "the KV transfer failed on the server"), now)
+        elif req.pending_end is not None:
+            self._end(req, req.pending_end, now)
+        elif not result.ok:
+            log.warning("%s: KV transfer failed (%s)", req.who, result.reason)
+            self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"), now)
+        else:
+            first = req.shared_decode * self.config.page_size_tokens
+            decode.table.land(req.decode_lease, req.decode_pages, first, req.prefill_target)
+            self._seal(decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
+            self._start_decoding(req, req.pending_token, req.pending_logprobs, now)
+        self._schedule(now)
+
+    def transfer_quiet(self, key: int, now: float) -> None:
+        """Every write transfer `key` posted is terminal: its quarantined pages come back."""
+        for w, lease in self._quarantined.pop(key, []):
+            self._confirm_quiet(w, lease, now)
+        self._schedule(now)
+
+    def lease_quiet(self, worker: str, lease: int, now: float) -> list[int]:
+        """No write can reach the quarantined pages of `lease` in the pool of the worker named
+        `worker` any more (learned out of band): they come back. Returns them."""
+        pages = self._confirm_quiet(self.worker(worker), lease, now)
+        self._schedule(now)
+        return pages
+
+    def tick(self, now: float) -> None:
+        """Time passed: expire queued requests past their deadline, and ask every idle worker not
+        heard from for a heartbeat interval for its incarnation (a restart is seen within about
+        a heartbeat even when nothing runs)."""
+        # a preempted request that has streamed output keeps its place: it is never timed out
+        for req in [r for r in self.queue if now - r.queued_s > self.config.queue_timeout_s and not r.num_generated]:
+            self.metrics.rejected("queue_timeout")
+            self._end(req, RequestError(503, "overloaded", f"waited {self.config.queue_timeout_s:g} s for KV pages; "
+                                        "retry shortly", error_type="service_unavailable", retry_after_s=1), now)
+        self._schedule(now)
+        for w in self.workers:
+            if w.in_flight is None and now - w.last_sent_s >= self.config.heartbeat_s:
+                self._send(w, [], [], [], now)
+
+    # ---- what happens after every event ----
+
+    def _schedule(self, now: float) -> None:
+        """End what may end, admit what fits, start transfers whose pages are tagged, and give
+        every idle worker its next step."""
+        for req in list(self._live.values()):
+            if req.stepping or req.transfer:
+                continue
+            if req.pending_end is not None:
+                self._end(req, req.pending_end, now)
+            elif req.pending_retry:
+                self._retry(req, now)
+        self._reserve_queued(now)
+        contended = self._recent.contended(now)
+        for w in turn_order(self.workers, contended, lambda o: first_token_on(o, self._running)):
+            if w.in_flight is None:
+                self._plan_step(w, now, contended)
+        self._cut_for_first_tokens()
+        for req in self._running[State.TRANSFERRING].values():
+            assert req.pair is not None
+            if not req.transfer and req.pair.decode.table.grant_applied(req.decode_lease):
+                self._transfer_keys += 1
+                req.transfer = self._transfer_keys
+                self._actions.append(self._transfer_plan(req))
+        self.metrics.queue_sizes(len(self.queue), self.num_running())
+
+    def _cut_for_first_tokens(self) -> None:
+        """Ask each worker whose step in flight carries only other groups' prompt chunks to stop
+        it between layers (CutStep) while a prompt of a group with nothing decoding waits for its
+        first token on it: that prompt's own step then goes next, not after the rest of a chunk
+        (up to a whole 128 tokens uncontended). The chunks cut go again as they were, and whole:
+        a chunk is cut once at most (`Request.chunk_cut`), so however many first tokens other
+        groups send, each chunk costs its request at most one step's work more. A group alone is
+        never cut for its own requests (`waits_for_first_token`)."""
+        for w in self.workers:
+            step = w.in_flight
+            if step is not None and step.cuttable and not step.cut_asked and first_token_on(w, self._running):
+                step.cut_asked = True
+                self._actions.append(CutStep(w.name, step.step_id))
+
+    def _transfer_plan(self, req: Request) -> StartTransfer:
+        """Move what the decode pool does not already hold: from the first page past its cache hit
+        to the last page of the prompt, page i of one page table into page i of the other."""
+        assert req.pair is not None
+        first, end = req.shared_decode, self.config.pages_for(req.prefill_target)
+        return StartTransfer(req.transfer, req.request_id, req.prefill_target, req.prefill_lease,
+                             req.prefill_pages[first:end], req.decode_lease, req.decode_pages[first:end],
+                             first_token=first * self.config.page_size_tokens, tenant=req.tenant,
+                             sender=req.pair.prefill.name, receiver=req.pair.decode.name)
+
+    def _plan_step(self, w: WorkerBinding, now: float, contended: bool) -> None:
+        """The next step of idle worker `w`: decode steps of the requests decoding on it (each
+        first gets the page its next token lands in), then prefill chunks within the token
+        budget (`contended_chunks`); sent when it runs something or carries tag changes. Tag changes
+        alone first when `grant_goes_ahead`; nothing while it `waits_for_device` (scheduler/core/policy.py)."""
+        if w.decodes and grant_goes_ahead(w, self._running):
+            self._send(w, [], [], [], now)
+            return
+        if not first_token_on(w, self._running) and waits_for_device(w, self.workers, contended):
+            return
+        decodes = self._grow(w, now) if w.decodes else []  # may preempt (prefilling and decoding ones)
+        seqs = decode_steps(decodes, w.table)
+        chunks, urgent = contended_chunks(prefilling_on(w, self._running) if w.prefills else [], self._running,
+                                          self.config.chunk_tokens - len(seqs), w.table, contended,
+                                          self.config.held_back_tokens)
+        if seqs or chunks or w.table.has_pending:
+            self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now, urgent=urgent,
+                       cuttable=bool(chunks) and not seqs and not urgent and not any(r.chunk_cut for r, _ in chunks))
+
+    def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
+              seqs: list[SeqStep], now: float, *, urgent: bool = False, cuttable: bool = False) -> None:
+        """`urgent`: it may pass the steps queued on its device (RunStep.urgent); tag changes alone
+        always may (they take no time). `cuttable`: it carries only chunks of groups already
+        decoding (RunStep.cuttable), which `_cut_for_first_tokens` may stop."""
+        pending = w.table.take_pending()
+        self._step_id += 1
+        w.in_flight = Step(pending.number, decodes, chunks, seqs, self._step_id, cuttable)
+        w.last_sent_s = now
+        if seqs:
+            w.last_step = self._step_id
+        for req in w.in_flight.requests:
+            req.stepping = True
+        message = RunStep(self._step_id, seqs, grants=pending.grants, released=pending.released,
+                          landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation,
+                          urgent=urgent or not seqs, cuttable=cuttable)
+        self._actions.append(SendStep(w.name, message))
+
+    # ---- lifecycle: the only places a state changes ----
+
+    def _move(self, req: Request, new: State) -> None:
+        """A transition forward to a running state (Request.advance checks it is allowed), with its index."""
+        if req.state is State.WAITING:
+            self.queue.remove(req)
+            load = self._tenants[req.tenant]
+            load.queued, load.running = load.queued - 1, load.running + 1
+        else:
+            del self._running[req.state][req.request_id]
+        req.advance(new)
+        self._running[new][req.request_id] = req
+
+    def _requeue(self, req: Request, now: float, *, retry: bool = False) -> None:
+        """Preempted or retried (its leases were released): back to the front of the queue, behind
+        the priority requests, to prefill everything it has again as its next attempt."""
+        del self._running[req.state][req.request_id]
+        load = self._tenants[req.tenant]
+        load.queued, load.running = load.queued + 1, load.running - 1
+        req.requeue(now, retry=retry)
+        self.queue.insert(self._queue_front(), req)
+
+    def _retry(self, req: Request, now: float) -> None:
+        """A worker of its pair was lost before it sent a token and nothing touches its pages any
+        more: its old attempt's leases are released (or stay quarantined where a transfer left them)
+        and it queues again as a new attempt, for another pair."""
+        assert req.pair is not None
+        log.warning("%s: attempt %d on %s lost a worker before its first token; retried as attempt %d",
+                    req.who, req.attempt, req.pair.name, req.attempt + 1)
+        self.metrics.retried()
+        self._release_leases(req)
+        self._requeue(req, now, retry=True)
+
+    def _end(self, req: Request, error: RequestError | None, now: float, last: OutputDelta | None = None) -> None:
+        """Terminal transition (error, or `last` with its finish reason) and release of every page
+        the request holds. A no-op for an ended request."""
+        if req.state.terminal:
+            return
+        if error is None and last is None:
+            raise ValueError(f"request {req.request_id} ends with neither an error nor its last delta")
+        load = self._tenants[req.tenant]
+        if req.state is State.WAITING:
+            self.queue.remove(req)
+            load.queued -= 1
+        else:
+            del self._running[req.state][req.request_id]
+            load.running -= 1
+        del self._live[req.request_id]
+        load.spend(req.num_generated - req.max_tokens, now)  # give back what was charged and not used
+        delta = req.fail(error) if error is not None else req.finish(last) if last is not None else None
+        self._release_leases(req)
+        if delta is not None:
+            self.metrics.finished(req, now)
+            self._actions.append(Emit(req.request_id, delta))
+
+    def _prefilled(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
+        """Its whole prompt is in the prefill pool and `token` is its next token; the full pages it
+        filled are sealed into the pool's cache."""
+        assert req.pair is not None
+        self._seal(req.pair.prefill, req, req.prefill_lease, req.prefill_pages, req.shared_prefill)
+        if req.decode_lease == req.prefill_lease:  # one pool for both roles: the KV is where decode reads
+            self._start_decoding(req, token, logprobs, now)
+            return
+        self._move(req, State.TRANSFERRING)  # the token is sent once the KV has landed
+        req.pending_token, req.pending_logprobs, req.prefill_done_s = token, logprobs, now
+
+    def _start_decoding(self, req: Request, token: int | None, logprobs: TokenLogprobs | None, now: float) -> None:
+        self._move(req, State.DECODING)
+        req.decoded_context, req.pending_token, req.pending_logprobs = req.prefill_target, None, None
+        if token is not None:
+            self._accept_token(req, token, logprobs, now)
+
+    def _accept_token(self, req: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
+        req.tokens.append(token)
+        self.metrics.token(req, now)
+        delta = req.output.accept(token, logprobs)
+        if req.prompt_logprobs and req.num_generated == 1:  # the prompt's go with the first token
+            delta = dataclasses.replace(delta, prompt_logprobs=req.prompt_logprobs)
+        if delta.terminal:
+            self._end(req, None, now, last=delta)
+        else:
+            self._actions.append(Emit(req.request_id, delta))
+
+    # ---- step replies ----
