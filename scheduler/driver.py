@@ -33,7 +33,8 @@ from kvfence.scheduler.core.tenants import ANONYMOUS, INTERNAL, Tenant
 from kvfence.engine.protocol import StepFailed, WorkerChannel, WorkerLost, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.core.page_ledger import PageLedger
-from kvfence.scheduler.core.request import Request, State
+from kvfence.scheduler.core.lifecycle import State
+from kvfence.scheduler.core.request import Request
 from kvfence.scheduler.transfer import TransferLink
 from kvfence.scheduler.core.worker_binding import WorkerBinding
 

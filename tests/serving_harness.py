@@ -24,7 +24,7 @@ from kvfence.engine.worker import Worker, LocalWorkerChannel
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.lifecycle import State
 from kvfence.transports.base import Transport
 from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret

@@ -10,7 +10,8 @@ from typing import TypedDict
 
 from kvfence.engine.protocol import SamplingSpec, SeqStep
 from kvfence.scheduler.core.lease_table import LeaseTable
-from kvfence.scheduler.core.request import Request, State
+from kvfence.scheduler.core.lifecycle import State
+from kvfence.scheduler.core.request import Request
 from kvfence.scheduler.core.worker_binding import WorkerBinding
 
 

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 from kvfence.scheduler.core.admission import quarantine_refusal
 from kvfence.scheduler.core.errors import RequestError
 from kvfence.scheduler.core.policy import pages_short
-from kvfence.scheduler.core.request import Request, State
+from kvfence.scheduler.core.lifecycle import State
+from kvfence.scheduler.core.request import Request
 
 if TYPE_CHECKING:
     from kvfence.scheduler.core.config import SchedulerConfig

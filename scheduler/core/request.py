@@ -1,19 +1,11 @@
-"""One request's lifecycle: its states and the only place they change.
+"""One request: what it asked for, where its pages are, what it has generated.
 
-WAITING -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED   (disaggregated)
-WAITING -> PREFILLING -> DECODING -> FINISHED                   (colocated)
-PREFILLING or DECODING -> WAITING                                (preempted: the pool ran out)
-PREFILLING, TRANSFERRING or DECODING -> WAITING                  (retried: a worker was lost)
-any non-terminal state -> ABORTED (client gone) or FAILED (server-side error)
-
-A preempted request keeps its tokens and its text state (detokenizer, stop matcher): its next
+Where it is in its lifecycle (its state, what holds its pages, an end or a retry waiting) is its
+`life`, changed only by scheduler/core/lifecycle.py's transition table; the properties here read
+it. A preempted request keeps its tokens and its text state (detokenizer, stop matcher): its next
 attempt prefills prompt + every token generated so far, and the token that prefill samples is the
 next new one, so the stream goes on where it stopped. A request whose worker was lost before it
-sent a token is retried once the same way, on another pair (`retry`).
-
-Terminal states are monotone: once ABORTED or FAILED, never FINISHED; a late "finished" after an
-abort is ignored, and so is a second terminal transition. An end asked for while the request cannot
-end at once (a step or a transfer may still touch its pages) is held in `pending_end` until it can.
+sent a token is retried once the same way, on another pair.
 
 No clock is read here: every time comes from the caller (the scheduler core's events).
 """
@@ -21,12 +13,12 @@ No clock is read here: every time comes from the caller (the scheduler core's ev
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import TYPE_CHECKING
 
 from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.errors import RequestError
+from kvfence.scheduler.core.lifecycle import Event, Exit, Hold, Lifecycle, State
 from kvfence.scheduler.core.output import OutputDelta, TextOutput
 
 if TYPE_CHECKING:
@@ -39,32 +31,6 @@ def client_closed() -> RequestError:
     return RequestError(499, CLIENT_CLOSED, "the client closed the request")
 
 
-class State(enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    TRANSFERRING = "transferring"
-    DECODING = "decoding"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (State.FINISHED, State.ABORTED, State.FAILED)
-
-
-_ALLOWED = {
-    State.WAITING: {State.PREFILLING},
-    State.PREFILLING: {State.TRANSFERRING, State.DECODING, State.WAITING},
-    State.TRANSFERRING: {State.DECODING, State.WAITING},
-    State.DECODING: {State.FINISHED, State.WAITING},
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
-
-
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
@@ -73,7 +39,7 @@ class Request:
     max_tokens: int
     output: TextOutput
     created_s: float  # when it was admitted (the caller's monotonic clock)
-    state: State = State.WAITING
+    life: Lifecycle = dataclasses.field(default_factory=Lifecycle)
     pair: Pair | None = None  # where this attempt runs, from its reservation until it is requeued or ends
     attempt: int = 1  # a preemption or a retry starts the next one, with new leases
     prefill_lease: int = 0
@@ -90,11 +56,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     counted_lease: int = 0  # penalized: the lease whose worker counts its tokens (scheduler/core/policy.py)
     prefill_done_s: float = 0.0  # when the prefill sampled the first token (disaggregated)
-    stepping: bool = False  # part of a step in flight to a worker
     chunk_cut: bool = False  # its last prompt chunk was cut short (StepDone.cut): the next runs whole
-    transfer: int = 0  # the key of its KV transfer while one is started (0: none)
-    pending_end: RequestError | None = None  # an end asked for that waits until nothing touches its pages
-    pending_retry: bool = False  # a worker of its pair was lost: retried once nothing touches its pages
     retries: int = 0
     arrival: int = 0  # admission order: the newest running request is the one preempted
     priority: bool = False  # a server-internal request (the readiness canary): ahead of the queue
@@ -135,11 +97,33 @@ class Request:
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
 
-    def advance(self, new: State) -> None:
-        """Move to a non-terminal-by-error state; raises on a transition the lifecycle forbids."""
-        if new not in _ALLOWED.get(self.state, set()):
-            raise IllegalTransition(f"request {self.request_id}: {self.state.value} -> {new.value}")
-        self.state = new
+    @property
+    def state(self) -> State:
+        return self.life.state
+
+    @property
+    def stepping(self) -> bool:
+        """Part of a step in flight to a worker."""
+        return self.life.hold is Hold.STEP
+
+    @property
+    def transfer(self) -> int:
+        """The key of its KV transfer while one is started (0: none)."""
+        return self.life.transfer
+
+    @property
+    def pending_end(self) -> RequestError | None:
+        """An end asked for that waits until nothing touches its pages."""
+        return self.life.error if self.life.exit is Exit.END else None
+
+    @property
+    def pending_retry(self) -> bool:
+        """A worker of its pair was lost: retried once nothing touches its pages."""
+        return self.life.exit is Exit.RETRY
+
+    def fire(self, event: Event, *, error: RequestError | None = None, transfer: int = 0) -> None:
+        """The lifecycle's `event` (scheduler/core/lifecycle.py TABLE; IllegalTransition otherwise)."""
+        self.life.fire(event, self.who, error=error, transfer=transfer)
 
     def __post_init__(self) -> None:
         self.queued_s = self.created_s
@@ -147,15 +131,13 @@ class Request:
     def requeue(self, now_s: float, *, retry: bool = False) -> None:
         """Preempted, or retried after a lost worker (its pages are being released): back to
         WAITING, to prefill `tokens` again as its next attempt, on whichever pair it gets then."""
-        if self.state is State.TRANSFERRING and not retry:
-            raise IllegalTransition(f"request {self.request_id}: a transferring request is only ever retried")
-        self.advance(State.WAITING)
+        self.fire(Event.RETRY if retry else Event.PREEMPT)
         if retry:
             self.retries += 1
         else:
             self.preemptions += 1
         self.attempt += 1
-        self.pair, self.pending_retry, self.chunk_cut = None, False, False
+        self.pair, self.chunk_cut = None, False
         self.prefill_target = len(self.tokens)
         self.prefilled = self.decoded_context = self.shared_prefill = self.shared_decode = 0
         self.prefill_pages, self.decode_pages = [], []
@@ -166,7 +148,7 @@ class Request:
         delta to send, or None (nothing to send) if already terminal."""
         if self.state.terminal or last.finish_reason is None:
             return None
-        self.state = State.FINISHED
+        self.fire(Event.FINISH)
         self.finish_reason = last.finish_reason
         return dataclasses.replace(last, cached_tokens=self.cached_tokens)
 
@@ -175,5 +157,5 @@ class Request:
         The delta to send, or None if already terminal."""
         if self.state.terminal:
             return None
-        self.state = State.ABORTED if error.code == CLIENT_CLOSED else State.FAILED
+        self.fire(Event.ABORT if error.code == CLIENT_CLOSED else Event.FAIL)
         return OutputDelta("", [], error=error)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from kvfence.scheduler.core.admission import Refusal, no_live_pair, quarantine_refusal, size_refusal
 from kvfence.scheduler.core.errors import RequestError
 from kvfence.scheduler.core.prefix_cache import block_keys, reusable_blocks, sealable_blocks
-from kvfence.scheduler.core.request import Request, State
+from kvfence.scheduler.core.lifecycle import Event, State
+from kvfence.scheduler.core.request import Request
 from kvfence.scheduler.core.router import Candidate, pick
 from kvfence.scheduler.core.worker_binding import Pair, WorkerBinding
 
@@ -58,7 +59,7 @@ class Reservation:
         def _preemptible(self, decode: WorkerBinding) -> list[Request]: ...
         def _preempt(self, req: Request, now: float, why: str = ...) -> None: ...
         def _end(self, req: Request, error: RequestError | None, now: float, last: OutputDelta | None = None) -> None: ...
-        def _move(self, req: Request, new: State) -> None: ...
+        def _move(self, req: Request, event: Event) -> None: ...
 
 
     def _needs(self, pair: Pair, num_tokens: int) -> dict[WorkerBinding, int]:
@@ -156,7 +157,7 @@ class Reservation:
             if req.attempt == 1:
                 req.cached_tokens = req.prefilled
             running_on[pair.decode] = running_on.get(pair.decode, 0) + 1
-            self._move(req, State.PREFILLING)
+            self._move(req, Event.RESERVE)
 
     def _running_per_decode(self) -> dict[WorkerBinding, int]:
         """How many running requests each decode pool serves (their headroom pages)."""

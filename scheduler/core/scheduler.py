@@ -24,11 +24,12 @@ message to that worker, which tags the pages before it runs anything; a release 
 to the ledger at once and the worker untags and scrubs them at the start of its next message.
 A transfer starts only once the worker has applied its destination lease's grant.
 
-Lifecycle (scheduler/core/request.py): each live request is in exactly one index, the one of its state
-(`queue` for WAITING, in order; one dict for each running state), and `_move`, `_requeue` (a
-preempted request) and `_end` are the only places a state changes. An end asked for while a step
-or a transfer may still touch the request's pages (an abort, a restart) waits in `pending_end`
-until nothing does.
+Lifecycle (scheduler/core/lifecycle.py): every change of where a request is, is an event of its
+transition table, which raises on any other. Each live request is in exactly one index, the one
+of its state (`queue` for WAITING, in order; one dict for each running state), kept by `_move`,
+`_requeue` and `_end`, the only callers of the events that change a state. An end or a retry asked
+for while a step or a transfer may still touch the request's pages (an abort, a lost worker, a
+restart) is the request's pending exit until nothing does.
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ from kvfence.scheduler.core.policy import (RecentGroups, contended_chunks, decod
 from kvfence.scheduler.core.preemption import Preemption
 from kvfence.scheduler.core.prefix_cache import chain_root, reusable_blocks
 from kvfence.scheduler.core.reservation import Reservation
-from kvfence.scheduler.core.request import Request, State, client_closed
+from kvfence.scheduler.core.lifecycle import RUNNING, Event, State
+from kvfence.scheduler.core.request import Request, client_closed
 from kvfence.scheduler.core.tenants import ANONYMOUS, Tenant, TenantLoads
 from kvfence.scheduler.core.worker_binding import Pair, Step, WorkerBinding
 from kvfence.scheduler.core.worker_events import WorkerEvents
 
 log = logging.getLogger(__name__)
 
-RUNNING = (State.PREFILLING, State.TRANSFERRING, State.DECODING)
 
 
 class SchedulerCore(Reservation, Preemption, WorkerEvents):
@@ -240,7 +241,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         req = self._live.get(request_id)
         if req is None or req.pending_end is not None:
             return
-        req.pending_end = error or client_closed()
+        req.fire(Event.ASK_END, error=error or client_closed())
         self._schedule(now)
 
     def transfer_finished(self, key: int, result: MoveResult, now: float, *, crashed: bool = False) -> None:
@@ -248,7 +249,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         req = next(r for r in self._running[State.TRANSFERRING].values() if r.transfer == key)
         assert req.pair is not None
         prefill, decode = req.pair.prefill, req.pair.decode
-        req.transfer = 0
+        req.fire(Event.TRANSFER_ENDED)
         self.metrics.transfer(result.ok, result.nbytes, now - req.prefill_done_s)
         held: list[tuple[WorkerBinding, int]] = []
         if result.source_quiet:
@@ -265,7 +266,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             self._quarantined[key] = held
             self._actions.append(WatchQuiet(key, result.until_quiet))
         if req.pending_retry and result.ok and decode in self.workers:
-            req.pending_retry = False  # its prefill worker was lost after the KV left it: decoding goes on
+            req.fire(Event.KEEP)  # its prefill worker was lost after the KV left it: decoding goes on
         if req.pending_retry and req.pending_end is None and not crashed:
             self._retry(req, now)
         elif crashed:
@@ -331,7 +332,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             assert req.pair is not None
             if not req.transfer and req.pair.decode.table.grant_applied(req.decode_lease):
                 self._transfer_keys += 1
-                req.transfer = self._transfer_keys
+                req.fire(Event.TRANSFER_STARTED, transfer=self._transfer_keys)
                 self._actions.append(self._transfer_plan(req))
         self.metrics.queue_sizes(len(self.queue), self.num_running())
 
@@ -390,7 +391,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         if seqs:
             w.last_step = self._step_id
         for req in w.in_flight.requests:
-            req.stepping = True
+            req.fire(Event.STEP_SENT)
         message = RunStep(self._step_id, seqs, grants=pending.grants, released=pending.released,
                           landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation,
                           urgent=urgent or not seqs, cuttable=cuttable)
@@ -398,16 +399,17 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
 
     # ---- lifecycle: the only places a state changes ----
 
-    def _move(self, req: Request, new: State) -> None:
-        """A transition forward to a running state (Request.advance checks it is allowed), with its index."""
-        if req.state is State.WAITING:
+    def _move(self, req: Request, event: Event) -> None:
+        """A transition forward to a running state (the lifecycle's `event`), with its index."""
+        old = req.state
+        req.fire(event)
+        if old is State.WAITING:
             self.queue.remove(req)
             load = self._tenants[req.tenant]
             load.queued, load.running = load.queued - 1, load.running + 1
         else:
-            del self._running[req.state][req.request_id]
-        req.advance(new)
-        self._running[new][req.request_id] = req
+            del self._running[old][req.request_id]
+        self._running[req.state][req.request_id] = req
 
     def _requeue(self, req: Request, now: float, *, retry: bool = False) -> None:
         """Preempted or retried (its leases were released): back to the front of the queue, behind
@@ -459,11 +461,11 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         if req.decode_lease == req.prefill_lease:  # one pool for both roles: the KV is where decode reads
             self._start_decoding(req, token, logprobs, now)
             return
-        self._move(req, State.TRANSFERRING)  # the token is sent once the KV has landed
+        self._move(req, Event.PREFILLED)  # the token is sent once the KV has landed
         req.pending_token, req.pending_logprobs, req.prefill_done_s = token, logprobs, now
 
     def _start_decoding(self, req: Request, token: int | None, logprobs: TokenLogprobs | None, now: float) -> None:
-        self._move(req, State.DECODING)
+        self._move(req, Event.DECODE)
         req.decoded_context, req.pending_token, req.pending_logprobs = req.prefill_target, None, None
         if token is not None:
             self._accept_token(req, token, logprobs, now)

@@ -22,7 +22,8 @@ from kvfence.engine.ids import id_hex
 from kvfence.engine.protocol import StepDone, StepFailed, WorkerReply
 from kvfence.scheduler.core.lease_table import LeaseTable
 from kvfence.scheduler.core.errors import RequestError
-from kvfence.scheduler.core.request import Request, State
+from kvfence.scheduler.core.lifecycle import Event, State
+from kvfence.scheduler.core.request import Request
 from kvfence.scheduler.core.worker_binding import Pair, Step, WorkerBinding
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class WorkerEvents:
             log.info("the %s worker %s is draining: nothing new starts on it; %d pairs still take requests",
                      w.role, w.name, len(self.serving_pairs))
         for req in step.requests:
-            req.stepping = False
+            req.fire(Event.STEP_SETTLED)
         done = self._settle(w, step, reply, now)
         if done is not None:
             if done.cut:
@@ -143,17 +144,18 @@ class WorkerEvents:
         self._pairs_changed = True
         if w.in_flight is not None:
             for req in w.in_flight.requests:
-                req.stepping = False
+                req.fire(Event.STEP_SETTLED)
             w.in_flight = None
         bound = [r for group in self._running.values() for r in group.values() if self._needs_worker(r, w)]
         retried = 0
         for req in bound:
             if req.pending_end is None and req.num_generated == 0 and req.retries == 0:
-                req.pending_retry, retried = True, retried + 1
+                req.fire(Event.ASK_RETRY)
+                retried += 1
             else:
-                req.pending_end = req.pending_end or RequestError(
+                req.fire(Event.ASK_END, error=RequestError(
                     503, "worker_lost", f"the {w.role} worker serving this request was lost; retry it",
-                    error_type="service_unavailable", retry_after_s=1)
+                    error_type="service_unavailable", retry_after_s=1))
         log.warning("the %s worker %s was lost: %d requests bound to it (%d retried on another pair, %d fail with "
                     "503); %d pairs left", w.role, w.name, len(bound), retried, len(bound) - retried, len(self.pairs))
         self.metrics.worker_lost(w.name)
@@ -184,7 +186,7 @@ class WorkerEvents:
         w.table.flush()  # a restarted worker's pool is blank: nothing cached there holds KV any more
         for req in bound:
             if req.transfer:  # its pages are released when the transport is quiet
-                req.pending_end = error
+                req.fire(Event.ASK_END, error=error)
             else:
                 self._end(req, error, now)
         return True

@@ -11,7 +11,7 @@ from kvfence.app.readiness import ReadinessCanary, Reference, local_reference
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
-from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.lifecycle import State
 
 
 def reference(serving: Serving, tiny: Checkpoint) -> Reference:

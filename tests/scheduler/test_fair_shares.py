@@ -15,7 +15,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.lifecycle import State
 from kvfence.scheduler.core.tenants import Tenant
 
 PAGE = 4

@@ -27,7 +27,7 @@ from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.core.errors import AdmissionRejected
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.engine.ids import mint_id
-from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.lifecycle import State
 
 PAGE = 4
 CONTEXT = 96

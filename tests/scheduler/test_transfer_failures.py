@@ -16,7 +16,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.lifecycle import State
 from kvfence.scheduler.core.tenants import Tenant
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

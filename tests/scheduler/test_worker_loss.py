@@ -27,7 +27,7 @@ from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.offline import OfflineEngine
-from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.lifecycle import State
 from kvfence.transports.core.secret import DeploymentSecret
 
 LONG = [list(range(5 + i, 12 + i)) for i in range(4)]  # short prompts that decode for long

@@ -26,7 +26,8 @@ from kvfence.engine.protocol import RunStep
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.actions import Action, CutStep, SendStep
 from kvfence.scheduler.core.config import SchedulerConfig
-from kvfence.scheduler.core.request import Request, State
+from kvfence.scheduler.core.lifecycle import State
+from kvfence.scheduler.core.request import Request
 from kvfence.scheduler.core.tenants import Tenant
 
 CHUNK, RUNNING = 8, 8

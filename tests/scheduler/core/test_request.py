@@ -1,4 +1,5 @@
-"""Request lifecycle: legal transitions only, and terminal states that never change (monotone)."""
+"""A request through its lifecycle: legal transitions only (scheduler/core/lifecycle.py), terminal
+states that never change (monotone), and what a preemption keeps."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.errors import RequestError
 from kvfence.scheduler.core.output import OutputDelta
-from kvfence.scheduler.core.request import IllegalTransition, Request, State
+from kvfence.scheduler.core.lifecycle import Event, IllegalTransition, State
+from kvfence.scheduler.core.request import Request
 
 
 class _Output:  # the lifecycle never touches text
@@ -26,12 +28,12 @@ def sent(*deltas: OutputDelta | None) -> list[OutputDelta]:
 def test_legal_path_and_illegal_jumps() -> None:
     req = make_request()
     with pytest.raises(IllegalTransition):
-        req.advance(State.DECODING)  # waiting cannot skip prefill
-    req.advance(State.PREFILLING)
-    req.advance(State.TRANSFERRING)
+        req.fire(Event.DECODE)  # waiting cannot skip prefill
+    req.fire(Event.RESERVE)
+    req.fire(Event.PREFILLED)
     with pytest.raises(IllegalTransition):
-        req.advance(State.PREFILLING)  # no going back
-    req.advance(State.DECODING)
+        req.fire(Event.RESERVE)  # no going back
+    req.fire(Event.DECODE)
     finished = req.finish(OutputDelta("", [], finish_reason="length"))
     assert finished is not None
     assert req.state is State.FINISHED
@@ -40,7 +42,7 @@ def test_legal_path_and_illegal_jumps() -> None:
 
 def test_abort_then_late_finish_stays_aborted() -> None:
     req = make_request()
-    req.advance(State.PREFILLING)
+    req.fire(Event.RESERVE)
     aborted = req.fail(RequestError(499, "client_closed", "gone"))
     assert aborted is not None
     late_finish = req.finish(OutputDelta("", [], finish_reason="length"))
@@ -54,8 +56,8 @@ def test_abort_then_late_finish_stays_aborted() -> None:
 
 def test_finish_then_late_abort_stays_finished() -> None:
     req = make_request()
-    req.advance(State.PREFILLING)
-    req.advance(State.DECODING)
+    req.fire(Event.RESERVE)
+    req.fire(Event.DECODE)
     finished = req.finish(OutputDelta("tail", [7], finish_reason="stop"))
     late_abort = req.fail(RequestError(499, "client_closed", "gone"))
     assert finished is not None and late_abort is None
@@ -66,15 +68,15 @@ def test_finish_then_late_abort_stays_finished() -> None:
 
 def test_preempted_request_goes_back_to_waiting_to_prefill_what_it_has() -> None:
     req = make_request()
-    req.advance(State.PREFILLING)
-    req.advance(State.DECODING)
+    req.fire(Event.RESERVE)
+    req.fire(Event.DECODE)
     req.tokens += [7, 8]  # generated
     req.decode_pages, req.prefilled = [3, 4], 2
     req.requeue(1.0)
     assert req.state is State.WAITING and req.preemptions == 1
     assert req.prefill_target == 4 and req.prefilled == 0 and req.decode_pages == []
     assert req.num_generated == 2  # what was sent stays sent
-    req.advance(State.PREFILLING)
-    req.advance(State.TRANSFERRING)
+    req.fire(Event.RESERVE)
+    req.fire(Event.PREFILLED)
     with pytest.raises(IllegalTransition):
         req.requeue(2.0)  # a transfer's pages are never taken back

@@ -11,7 +11,7 @@ from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.core.scheduler import SchedulerCore
 from kvfence.scheduler.core.errors import AdmissionRejected
-from kvfence.scheduler.core.request import State
+from kvfence.scheduler.core.lifecycle import State
 from kvfence.scheduler.core.tenants import Tenant, TokenBucket
 from kvfence.scheduler.core.worker_binding import WorkerBinding
 
