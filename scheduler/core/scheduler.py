@@ -46,17 +46,19 @@ from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.core.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.engine.logprobs import TokenLogprobs
-from kvfence.engine.protocol import RunStep, SeqStep
+from kvfence.engine.protocol import RunStep, SeqStep, StepDone, WorkerReply
 from kvfence.scheduler.metrics import SchedulerMetrics
 from kvfence.scheduler.core.output import OutputDelta, TextOutput
+from kvfence.scheduler.core.fleet import Fleet
+from kvfence.scheduler.core.pages import Pages
 from kvfence.scheduler.core.policy import (RecentGroups, contended_chunks, decode_steps, first_token_on, grant_goes_ahead,
                                       prefilling_on, turn_order, waits_for_device)
 from kvfence.scheduler.core.preemption import Preemption
 from kvfence.scheduler.core.prefix_cache import chain_root, reusable_blocks
-from kvfence.scheduler.core.reservation import Reservation
-from kvfence.scheduler.core.lifecycle import RUNNING, Event, State
+from kvfence.scheduler.core.registry import Registry
+from kvfence.scheduler.core.lifecycle import Event, State
 from kvfence.scheduler.core.request import Request, client_closed
-from kvfence.scheduler.core.tenants import ANONYMOUS, Tenant, TenantLoads
+from kvfence.scheduler.core.tenants import ANONYMOUS, Tenant
 from kvfence.scheduler.core.worker_binding import Pair, Step, WorkerBinding
 from kvfence.scheduler.core.worker_events import WorkerEvents
 
@@ -64,7 +66,12 @@ log = logging.getLogger(__name__)
 
 
 
-class SchedulerCore(Reservation, Preemption, WorkerEvents):
+class SchedulerCore:
+    """Composed of its parts, each with its own state: `registry` (the live requests, indexed by
+    state), `fleet` (workers and pairs), `pages` (reservations, the prefix cache, quarantine),
+    `preemption` and `worker_events`; this class takes the events, plans each worker's steps and
+    ends requests."""
+
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, prefill: WorkerBinding, decode: WorkerBinding,
                  metrics: SchedulerMetrics | None = None, *, mint: Callable[[], int] = mint_id,
                  max_context_tokens: int | None = None) -> None:
@@ -73,24 +80,22 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         transfer ids come from (a deterministic source makes a run replayable)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.workers: list[WorkerBinding] = []
-        self.pairs: list[Pair] = []
-        self._pairs_changed = False
         self.metrics = metrics or SchedulerMetrics()
         self.mint = mint
         self.draining = False
-        self.queue: deque[Request] = deque()  # WAITING, in the order they get pages
-        self._running: dict[State, dict[str, Request]] = {s: {} for s in RUNNING}
-        self._live: dict[str, Request] = {}
-        self._quarantined: dict[int, list[tuple[WorkerBinding, int]]] = {}  # transfer key -> leases held
+        self.registry = Registry()
+        self.fleet = Fleet(config)
+        self.pages = Pages(config, self.fleet, mint)
+        self.preemption = Preemption(config, self.metrics, self.registry, self.fleet, self.pages, end=self._end,
+                                     start_queued=self._start_queued)
+        self.worker_events = WorkerEvents(self.metrics, self.registry, self.fleet, end=self._end,
+                                          seal_owner=self._seal_owner)
         self._actions: list[Action] = []
-        self._arrivals = 0
         self._step_id = 0
         self._transfer_keys = 0
-        self._tenants = TenantLoads()
         self._recent = RecentGroups(config.contention_window_s)
         self._seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
-        self.add_pair(prefill, decode, max_context_tokens)
+        self.fleet.add_pair(prefill, decode, max_context_tokens)
         if config.unsafe_cache_across_tenants:
             log.error("UNSAFE: the prefix cache is shared across tenants (unsafe_cache_across_tenants, a broken guard "
                       "for testing the prober); never run this in production")
@@ -103,17 +108,48 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
 
     def request(self, request_id: str) -> Request | None:
         """A live (not yet ended) request."""
-        return self._live.get(request_id)
+        return self.registry.get(request_id)
 
     def requests_in(self, state: State) -> list[Request]:
-        return list(self.queue) if state is State.WAITING else list(self._running[state].values())
+        return self.registry.in_state(state)
 
     def num_running(self) -> int:
-        return sum(len(group) for group in self._running.values())
+        return self.registry.num_running()
 
     def in_flight(self) -> int:
         """Requests admitted and not yet ended."""
-        return len(self._live)
+        return len(self.registry)
+
+    @property
+    def queue(self) -> deque[Request]:
+        """WAITING requests, in the order they get pages."""
+        return self.registry.queue
+
+    @property
+    def workers(self) -> list[WorkerBinding]:
+        return self.fleet.workers
+
+    @property
+    def pairs(self) -> list[Pair]:
+        return self.fleet.pairs
+
+    @property
+    def serving_pairs(self) -> list[Pair]:
+        """The pairs new attempts may start on: live, and neither worker draining."""
+        return self.fleet.serving_pairs
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The longest request some live pair holds (the config's when none is live)."""
+        return self.fleet.max_context_tokens
+
+    def worker(self, name: str) -> WorkerBinding:
+        """A live worker by name (KeyError when no live worker has it)."""
+        return self.fleet.worker(name)
+
+    def add_pair(self, prefill: WorkerBinding, decode: WorkerBinding, max_context_tokens: int | None = None) -> Pair:
+        """Serve on `prefill` -> `decode` from now on (scheduler/core/fleet.py `add_pair`)."""
+        return self.fleet.add_pair(prefill, decode, max_context_tokens)
 
     def pages_in_use(self) -> dict[str, int]:
         """Pages held per worker by leases and quarantines (the baseline is 0 when idle, whatever
@@ -171,37 +207,31 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
     def _admit(self, prompt: list[int], samples: list[SamplingParams], now: float, priority: bool, tenant: Tenant,
                cache_salt: str) -> list[Request]:
         max_tokens = self.admissible(prompt, samples[0], now)
-        load = self._tenants.of(tenant, now)
-        refusal = None if priority else self._tenants.refusal(load, now, len(samples))
+        load = self.registry.tenants.of(tenant, now)
+        refusal = None if priority else self.registry.tenants.refusal(load, now, len(samples))
         if refusal is not None:
             self.metrics.rejected(refusal[0])
             raise refusal[1]
         running = self.num_running()
         if not priority and len(self.queue) + len(samples) > self.config.max_queue and (
                 self.queue or running >= self.config.max_running
-                or not any(self._can_reserve(pair, len(prompt), running) for pair in self.serving_pairs)):
+                or not any(self.pages.can_reserve(pair, len(prompt), running) for pair in self.serving_pairs)):
             self.metrics.rejected("queue_full")
             raise overloaded(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
         admitted: list[Request] = []
         if not priority:  # the server's own checks contend with nobody
             self._recent.arrived(tenant.share_key, now)
         for params in samples:
-            self._arrivals += 1
-            req = Request(id_hex(self.mint()), list(prompt), params, max_tokens,
-                          TextOutput(self.tokenizer, prompt, params, max_tokens), now, tokens=list(prompt),
-                          prefill_target=len(prompt), arrival=self._arrivals, priority=priority, tenant=tenant.name,
+            req = Request(request_id=id_hex(self.mint()), prompt=list(prompt), params=params, max_tokens=max_tokens,
+                          output=TextOutput(self.tokenizer, prompt, params, max_tokens), created_s=now,
+                          tokens=list(prompt), prefill_target=len(prompt), priority=priority, tenant=tenant.name,
                           share=tenant.share_key, weight=tenant.weight)
             if self.config.prefix_cache and not priority:
                 scope = "*" if self.config.unsafe_cache_across_tenants else tenant.name  # "*": not a tenant name
                 req.cache_root, req.seal = chain_root(scope, cache_salt), self._seal_of(scope)
                 if admitted and reusable_blocks(len(prompt), self.config.page_size_tokens):
                     req.leader = admitted[0]
-            self._live[req.request_id] = req
-            load.queued += 1
-            if priority:
-                self.queue.insert(self._queue_front(), req)
-            else:
-                self.queue.append(req)
+            self.registry.add(req, front=priority)
             admitted.append(req)
         load.spend(len(prompt) + len(samples) * max_tokens, now)  # what it may use; settled at its end (_end)
         self._schedule(now)
@@ -212,7 +242,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_context_tokens - len(prompt)
         if not prompt:
             raise AdmissionRejected(400, "invalid_prompt", "the prompt is empty", param="prompt")
-        refusal = self._refusal(len(prompt), len(prompt), max_tokens, now)
+        refusal = self.pages.refusal(len(prompt), len(prompt), max_tokens, now)
         if refusal is not None:
             self.metrics.rejected(refusal.reason)
             raise refusal.error
@@ -220,6 +250,10 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             self.metrics.rejected("draining")
             raise overloaded("the server is shutting down; retry on another replica", retry_after_s=5)
         return max_tokens
+
+    def _seal_owner(self, tag: int) -> str | None:
+        """The tenant whose sealed pages carry `tag` (None: no tenant's)."""
+        return next((t for t, seal in self._seals.items() if seal == tag), None)
 
     def _seal_of(self, tenant: str) -> int:
         seal = self._seals.get(tenant)
@@ -238,7 +272,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
     def abort(self, request_id: str, now: float, error: RequestError | None = None) -> None:
         """End a request (the client went away, unless `error` says otherwise); its pages come
         back when no step or transfer can touch them. A no-op for an ended request."""
-        req = self._live.get(request_id)
+        req = self.registry.get(request_id)
         if req is None or req.pending_end is not None:
             return
         req.fire(Event.ASK_END, error=error or client_closed())
@@ -246,7 +280,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
 
     def transfer_finished(self, key: int, result: MoveResult, now: float, *, crashed: bool = False) -> None:
         """Transfer `key` ended (`crashed`: its task failed; what the transport did is unknown)."""
-        req = next(r for r in self._running[State.TRANSFERRING].values() if r.transfer == key)
+        req = self.registry.transferring(key)
         assert req.pair is not None
         prefill, decode = req.pair.prefill, req.pair.decode
         req.fire(Event.TRANSFER_ENDED)
@@ -261,9 +295,9 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
             req.decode_lease = 0
         req.prefill_lease = 0
         for w, lease in held:
-            self._quarantine(w, lease, now)
+            self.pages.quarantine(w, lease, now)
         if held and result.until_quiet is not None:
-            self._quarantined[key] = held
+            self.pages.held_until_quiet[key] = held
             self._actions.append(WatchQuiet(key, result.until_quiet))
         if req.pending_retry and result.ok and decode in self.workers:
             req.fire(Event.KEEP)  # its prefill worker was lost after the KV left it: decoding goes on
@@ -279,20 +313,20 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         else:
             first = req.shared_decode * self.config.page_size_tokens
             decode.table.land(req.decode_lease, req.decode_pages, first, req.prefill_target)
-            self._seal(decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
+            self.pages.seal(decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
             self._start_decoding(req, req.pending_token, req.pending_logprobs, now)
         self._schedule(now)
 
     def transfer_quiet(self, key: int, now: float) -> None:
         """Every write transfer `key` posted is terminal: its quarantined pages come back."""
-        for w, lease in self._quarantined.pop(key, []):
-            self._confirm_quiet(w, lease, now)
+        for w, lease in self.pages.held_until_quiet.pop(key, []):
+            self.pages.confirm_quiet(w, lease, now)
         self._schedule(now)
 
     def lease_quiet(self, worker: str, lease: int, now: float) -> list[int]:
         """No write can reach the quarantined pages of `lease` in the pool of the worker named
         `worker` any more (learned out of band): they come back. Returns them."""
-        pages = self._confirm_quiet(self.worker(worker), lease, now)
+        pages = self.pages.confirm_quiet(self.worker(worker), lease, now)
         self._schedule(now)
         return pages
 
@@ -315,20 +349,20 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
     def _schedule(self, now: float) -> None:
         """End what may end, admit what fits, start transfers whose pages are tagged, and give
         every idle worker its next step."""
-        for req in list(self._live.values()):
-            if req.stepping or req.transfer:
+        for req in self.registry.live():
+            if not req.life.settled:
                 continue
             if req.pending_end is not None:
                 self._end(req, req.pending_end, now)
             elif req.pending_retry:
                 self._retry(req, now)
-        self._reserve_queued(now)
+        self._start_queued(now)
         contended = self._recent.contended(now)
-        for w in turn_order(self.workers, contended, lambda o: first_token_on(o, self._running)):
+        for w in turn_order(self.workers, contended, lambda o: first_token_on(o, self.registry.index)):
             if w.in_flight is None:
                 self._plan_step(w, now, contended)
         self._cut_for_first_tokens()
-        for req in self._running[State.TRANSFERRING].values():
+        for req in self.registry.in_state(State.TRANSFERRING):
             assert req.pair is not None
             if not req.transfer and req.pair.decode.table.grant_applied(req.decode_lease):
                 self._transfer_keys += 1
@@ -346,7 +380,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         never cut for its own requests (`waits_for_first_token`)."""
         for w in self.workers:
             step = w.in_flight
-            if step is not None and step.cuttable and not step.cut_asked and first_token_on(w, self._running):
+            if step is not None and step.cuttable and not step.cut_asked and first_token_on(w, self.registry.index):
                 step.cut_asked = True
                 self._actions.append(CutStep(w.name, step.step_id))
 
@@ -365,14 +399,15 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         first gets the page its next token lands in), then prefill chunks within the token
         budget (`contended_chunks`); sent when it runs something or carries tag changes. Tag changes
         alone first when `grant_goes_ahead`; nothing while it `waits_for_device` (scheduler/core/policy.py)."""
-        if w.decodes and grant_goes_ahead(w, self._running):
+        running = self.registry.index
+        if w.decodes and grant_goes_ahead(w, running):
             self._send(w, [], [], [], now)
             return
-        if not first_token_on(w, self._running) and waits_for_device(w, self.workers, contended):
+        if not first_token_on(w, running) and waits_for_device(w, self.workers, contended):
             return
-        decodes = self._grow(w, now) if w.decodes else []  # may preempt (prefilling and decoding ones)
+        decodes = self.preemption.grow(w, now) if w.decodes else []  # may preempt (prefilling and decoding ones)
         seqs = decode_steps(decodes, w.table)
-        chunks, urgent = contended_chunks(prefilling_on(w, self._running) if w.prefills else [], self._running,
+        chunks, urgent = contended_chunks(prefilling_on(w, running) if w.prefills else [], running,
                                           self.config.chunk_tokens - len(seqs), w.table, contended,
                                           self.config.held_back_tokens)
         if seqs or chunks or w.table.has_pending:
@@ -397,28 +432,7 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
                           urgent=urgent or not seqs, cuttable=cuttable)
         self._actions.append(SendStep(w.name, message))
 
-    # ---- lifecycle: the only places a state changes ----
-
-    def _move(self, req: Request, event: Event) -> None:
-        """A transition forward to a running state (the lifecycle's `event`), with its index."""
-        old = req.state
-        req.fire(event)
-        if old is State.WAITING:
-            self.queue.remove(req)
-            load = self._tenants[req.tenant]
-            load.queued, load.running = load.queued - 1, load.running + 1
-        else:
-            del self._running[old][req.request_id]
-        self._running[req.state][req.request_id] = req
-
-    def _requeue(self, req: Request, now: float, *, retry: bool = False) -> None:
-        """Preempted or retried (its leases were released): back to the front of the queue, behind
-        the priority requests, to prefill everything it has again as its next attempt."""
-        del self._running[req.state][req.request_id]
-        load = self._tenants[req.tenant]
-        load.queued, load.running = load.queued + 1, load.running - 1
-        req.requeue(now, retry=retry)
-        self.queue.insert(self._queue_front(), req)
+    # ---- starting, retrying and ending requests ----
 
     def _retry(self, req: Request, now: float) -> None:
         """A worker of its pair was lost before it sent a token and nothing touches its pages any
@@ -428,27 +442,23 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         log.warning("%s: attempt %d on %s lost a worker before its first token; retried as attempt %d",
                     req.who, req.attempt, req.pair.name, req.attempt + 1)
         self.metrics.retried()
-        self._release_leases(req)
-        self._requeue(req, now, retry=True)
+        self.pages.release(req)
+        self.registry.requeue(req, now, retry=True)
 
     def _end(self, req: Request, error: RequestError | None, now: float, last: OutputDelta | None = None) -> None:
         """Terminal transition (error, or `last` with its finish reason) and release of every page
         the request holds. A no-op for an ended request."""
         if req.state.terminal:
             return
-        if error is None and last is None:
-            raise ValueError(f"request {req.request_id} ends with neither an error nor its last delta")
-        load = self._tenants[req.tenant]
-        if req.state is State.WAITING:
-            self.queue.remove(req)
-            load.queued -= 1
+        was = req.state
+        if error is not None:
+            delta = req.fail(error)
+        elif last is not None and last.finish_reason is not None:
+            delta = req.finish(last)
         else:
-            del self._running[req.state][req.request_id]
-            load.running -= 1
-        del self._live[req.request_id]
-        load.spend(req.num_generated - req.max_tokens, now)  # give back what was charged and not used
-        delta = req.fail(error) if error is not None else req.finish(last) if last is not None else None
-        self._release_leases(req)
+            raise ValueError(f"{req.who} ends with neither an error nor a last delta with its finish reason")
+        self.registry.remove(req, was, now)
+        self.pages.release(req)
         if delta is not None:
             self.metrics.finished(req, now)
             self._actions.append(Emit(req.request_id, delta))
@@ -457,15 +467,15 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         """Its whole prompt is in the prefill pool and `token` is its next token; the full pages it
         filled are sealed into the pool's cache."""
         assert req.pair is not None
-        self._seal(req.pair.prefill, req, req.prefill_lease, req.prefill_pages, req.shared_prefill)
+        self.pages.seal(req.pair.prefill, req, req.prefill_lease, req.prefill_pages, req.shared_prefill)
         if req.decode_lease == req.prefill_lease:  # one pool for both roles: the KV is where decode reads
             self._start_decoding(req, token, logprobs, now)
             return
-        self._move(req, Event.PREFILLED)  # the token is sent once the KV has landed
+        self.registry.move(req, Event.PREFILLED)  # the token is sent once the KV has landed
         req.pending_token, req.pending_logprobs, req.prefill_done_s = token, logprobs, now
 
     def _start_decoding(self, req: Request, token: int | None, logprobs: TokenLogprobs | None, now: float) -> None:
-        self._move(req, Event.DECODE)
+        self.registry.move(req, Event.DECODE)
         req.decoded_context, req.pending_token, req.pending_logprobs = req.prefill_target, None, None
         if token is not None:
             self._accept_token(req, token, logprobs, now)
@@ -481,4 +491,111 @@ class SchedulerCore(Reservation, Preemption, WorkerEvents):
         else:
             self._actions.append(Emit(req.request_id, delta))
 
-    # ---- step replies ----
+    def _start_queued(self, now: float) -> None:
+        """Reserve pages for queued requests in order while they fit, each on the pair the router
+        picks (scheduler/core/router.py): a priority request as soon as its pages are free; any other
+        while a running slot is free and the pair's decode pool keeps a page of headroom per
+        request running there (each may need one more page soon), so a new request does not take
+        the page a running one is about to need. A queued request that can no longer ever fit
+        (pages were quarantined, or pairs lost, since it came) ends now with 503."""
+        changed = self.fleet.take_changed()
+        if changed or any(w.ledger.num_quarantined for w in self.workers):
+            for queued in list(self.queue):
+                refusal = self.pages.refusal(len(queued.prompt), queued.prefill_target, queued.max_tokens, now)
+                if refusal is not None:
+                    self.metrics.rejected(refusal.reason)
+                    self._end(queued, refusal.error, now)
+        running_on = self.registry.running_per_decode()
+        while True:
+            req = self._next_to_start()
+            if req is None:
+                return
+            if not req.priority and self.num_running() >= self.config.max_running \
+                    and not self.preemption.make_slot_for_share(req, now):
+                return
+            choice = self.pages.route(req, running_on)
+            if choice is None:
+                return
+            pair, hits = choice
+            self.pages.reserve(req, pair, hits)
+            running_on[pair.decode] = running_on.get(pair.decode, 0) + 1
+            self.registry.move(req, Event.RESERVE)
+
+    def _next_to_start(self) -> Request | None:
+        """The queued request to start next, among those whose tenant may run one more and that
+        wait for no other (a tenant at its running limit, or a sample whose first sample's prompt
+        is not cached yet, `_waits_for_leader`, waits without holding up the others): a priority
+        request first; then one of the fair-share group (`Request.share`: a tenant, or without
+        keys a client) that runs the fewest requests for its weight; within a group, a preempted
+        request that has streamed output first (it keeps its place), then the earliest queued.
+        One group's flood therefore takes only its share of the slots that free up."""
+        tenants = self.registry.tenants
+        eligible = [r for r in self.queue if r.priority or not (tenants[r.tenant].at_running_limit
+                                                                or self._waits_for_leader(r))]
+        if not eligible:
+            return None
+        if eligible[0].priority:
+            return eligible[0]
+        running = self.registry.running_per_share()
+        return min(eligible, key=lambda r: (running.get(r.share, 0) / r.weight, not r.num_generated))
+
+    @staticmethod
+    def _waits_for_leader(req: Request) -> bool:
+        """A later sample of an n > 1 request waits while its first sample's first attempt has not
+        yet cached its prompt pages in both pools (it caches them as it starts decoding)."""
+        lead = req.leader
+        return lead is not None and lead.attempt == 1 and lead.pending_end is None and lead.state in (
+            State.WAITING, State.PREFILLING, State.TRANSFERRING)
+
+    # ---- workers ----
+
+    def step_replied(self, worker: str, reply: WorkerReply, now: float) -> None:
+        """The worker named `worker` answered its step in flight."""
+        w = self.fleet.find(worker)
+        if w is None:  # lost while its step was in flight: its requests were settled then
+            return
+        step, w.in_flight = w.in_flight, None
+        if step is None:
+            raise RuntimeError(f"a reply from the {worker} worker, which has no step in flight")
+        w.table.answered(step.number)
+        if reply.draining:
+            self.fleet.drain(w)
+        for req in step.requests:
+            req.fire(Event.STEP_SETTLED)
+        done = self.worker_events.settle(w, step, reply, now)
+        if done is not None:
+            self._take(w, step, done, now)
+        self._schedule(now)
+
+    def _take(self, w: WorkerBinding, step: Step, done: StepDone, now: float) -> None:
+        """What step `step` of `w` produced: the decodes' tokens, the chunks prefilled (and the
+        first token of a prompt done); the seqs it left out go again as they were."""
+        if done.cut:
+            self.metrics.step_cut(w.name)
+            for req, _ in step.chunks:
+                req.chunk_cut = True  # at most once a chunk: other groups' first tokens cost it one try
+        deferred = set(done.deferred)  # left out (a grammar compiling, or the step cut): sent again
+        for i in deferred:
+            step.requests[i].counted_lease = 0  # their history goes again with them
+        logprobs = done.logprobs or [None] * len(done.tokens)
+        for req, token, lp in zip(step.decodes, done.tokens, logprobs):
+            if req.state is State.DECODING and token is not None:
+                self._accept_token(req, token, lp, now)
+        n = len(step.decodes)
+        scores = done.prompt_logprobs or [[]] * len(done.tokens)
+        for j, ((req, seq), token, lp, scored) in enumerate(zip(step.chunks, done.tokens[n:], logprobs[n:],
+                                                                scores[n:])):
+            if req.state.terminal or seq.lease != req.prefill_lease or n + j in deferred:
+                continue
+            req.prompt_logprobs += scored
+            req.prefilled += len(seq.token_ids)
+            req.chunk_cut = False
+            self.metrics.prefill(req, len(seq.token_ids))
+            if token is not None:
+                self._prefilled(req, token, lp, now)
+
+    def worker_lost(self, name: str, now: float) -> None:
+        """The worker named `name` is gone (scheduler/core/worker_events.py `lost`). A no-op for an
+        unknown name."""
+        if self.worker_events.lost(name, now):
+            self._schedule(now)

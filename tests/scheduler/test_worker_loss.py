@@ -147,7 +147,7 @@ async def test_a_lost_decode_worker_fails_or_retries_only_its_requests(tiny: Che
             # some heavy request has its pages on the victim and has sent nothing yet: kill it then
             await until(lambda: any(r.pair is not None and r.pair.decode.name == f"decode@{victim.address}"
                                     for r in scheduler.requests_in(State.PREFILLING)))
-            on_victim = {r.request_id for r in scheduler.core._live.values()  # noqa: SLF001
+            on_victim = {r.request_id for r in scheduler.core.registry.live()
                          if r.pair is not None and r.pair.decode.name == f"decode@{victim.address}"}
             victim.kill()
         lost = [o for o in long if o.error is not None]

@@ -17,7 +17,9 @@ from explorer_setup import Setup, explore_setup
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
+from kvfence.scheduler.core.pages import Pages
 from kvfence.scheduler.core.scheduler import SchedulerCore
+from kvfence.scheduler.core.worker_events import WorkerEvents
 
 SHARED_PROMPTS = ((5, 6, 7), (5, 6, 7))  # one full page alike: the second can share the first's
 
@@ -120,7 +122,7 @@ def test_every_interleaving_with_a_lost_worker_keeps_the_invariants(explorations
 
 def test_it_finds_a_release_before_the_transfer_is_quiet(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """Put back the bug of freeing the pages of a transfer whose cancellation was not acknowledged."""
-    monkeypatch.setattr(SchedulerCore, "_quarantine", lambda self, w, lease, now: w.table.release(lease))
+    monkeypatch.setattr(Pages, "quarantine", lambda self, w, lease, now: w.table.release(lease))
     with pytest.raises(Violation) as found:
         explore(world_factory(tiny, True, Budget(restarts=0, aborts=0, ticks=0, transfer_faults=1)))
     print(found.value)
@@ -165,7 +167,7 @@ def test_it_finds_a_seal_of_pages_the_prefill_did_not_fill(tiny: Checkpoint, mon
 
     def seal_early(self: SchedulerCore, req, token, logprobs, now):  # type: ignore[no-untyped-def]
         if req.decode_lease != req.prefill_lease:
-            self._seal(req.pair.decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
+            self.pages.seal(req.pair.decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
         real(self, req, token, logprobs, now)
 
     monkeypatch.setattr(SchedulerCore, "_prefilled", seal_early)
@@ -179,7 +181,7 @@ def test_it_finds_a_seal_of_pages_the_prefill_did_not_fill(tiny: Checkpoint, mon
 def test_it_finds_requests_left_behind_by_a_lost_prefill_worker(tiny: Checkpoint,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Forgetting that a request still prefilling needs its prefill worker: it never ends."""
-    monkeypatch.setattr(SchedulerCore, "_needs_worker", staticmethod(
+    monkeypatch.setattr(WorkerEvents, "needs_worker", staticmethod(
         lambda req, w: req.pair is not None and req.pair.decode is w))
     with pytest.raises(Violation) as found:
         explore(world_factory(tiny, True, Budget(restarts=0, transfer_faults=0, aborts=0, ticks=0, losses=1),

@@ -43,7 +43,7 @@ def test_a_tenant_at_its_running_limit_waits_and_others_pass_it(tiny: Checkpoint
     assert a3.state is State.WAITING
     for rid in [a1.request_id, a3.request_id, b1.request_id]:
         c.abort(rid, 0.0)
-    loads = c._tenants  # noqa: SLF001
+    loads = c.registry.tenants
     assert (loads["a"].queued, loads["a"].running) == (0, 1)  # a1 ends once its step in flight is answered
 
 
