@@ -39,28 +39,28 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from kvfence.engine.sampling import SamplingParams
-from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.core.actions import Action, CutStep, Emit, MoveResult, SendStep, StartTransfer, WatchQuiet
-from kvfence.scheduler.core.config import SchedulerConfig
-from kvfence.scheduler.core.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.engine.logprobs import TokenLogprobs
-from kvfence.engine.protocol import RunStep, SeqStep, StepDone, WorkerReply
-from kvfence.scheduler.metrics import SchedulerMetrics
-from kvfence.scheduler.core.output import OutputDelta, TextOutput
+from kvfence.engine.protocol import StepDone, WorkerReply
+from kvfence.engine.sampling import SamplingParams
+from kvfence.engine.tokenizer import Tokenizer
+from kvfence.scheduler.core.actions import Action, Emit, MoveResult, StartTransfer, WatchQuiet
+from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.scheduler.core.fleet import Fleet
+from kvfence.scheduler.core.lifecycle import Event, State
+from kvfence.scheduler.core.output import OutputDelta, TextOutput
 from kvfence.scheduler.core.pages import Pages
-from kvfence.scheduler.core.policy import (RecentGroups, contended_chunks, decode_steps, first_token_on, grant_goes_ahead,
-                                      prefilling_on, turn_order, waits_for_device)
+from kvfence.scheduler.core.policy import RecentGroups, first_token_on, turn_order
 from kvfence.scheduler.core.preemption import Preemption
 from kvfence.scheduler.core.prefix_cache import chain_root, reusable_blocks
 from kvfence.scheduler.core.registry import Registry
-from kvfence.scheduler.core.lifecycle import Event, State
 from kvfence.scheduler.core.request import Request, client_closed
+from kvfence.scheduler.core.steps import Steps
 from kvfence.scheduler.core.tenants import ANONYMOUS, Tenant
 from kvfence.scheduler.core.worker_binding import Pair, Step, WorkerBinding
 from kvfence.scheduler.core.worker_events import WorkerEvents
+from kvfence.scheduler.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class SchedulerCore:
         self.worker_events = WorkerEvents(self.metrics, self.registry, self.fleet, end=self._end,
                                           seal_owner=self._seal_owner)
         self._actions: list[Action] = []
-        self._step_id = 0
+        self.steps = Steps(config, self.registry, self.fleet, self.preemption, self._actions)
         self._transfer_keys = 0
         self._recent = RecentGroups(config.contention_window_s)
         self._seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
@@ -103,7 +103,10 @@ class SchedulerCore:
     # ---- queries ----
 
     def take_actions(self) -> list[Action]:
-        actions, self._actions = self._actions, []
+        """What the driver is to do, in order, since the last call (the list is emptied in place:
+        the parts that add to it hold it)."""
+        actions = list(self._actions)
+        self._actions.clear()
         return actions
 
     def request(self, request_id: str) -> Request | None:
@@ -342,7 +345,7 @@ class SchedulerCore:
         self._schedule(now)
         for w in self.workers:
             if w.in_flight is None and now - w.last_sent_s >= self.config.heartbeat_s:
-                self._send(w, [], [], [], now)
+                self.steps.send(w, [], [], [], now)
 
     # ---- what happens after every event ----
 
@@ -360,8 +363,8 @@ class SchedulerCore:
         contended = self._recent.contended(now)
         for w in turn_order(self.workers, contended, lambda o: first_token_on(o, self.registry.index)):
             if w.in_flight is None:
-                self._plan_step(w, now, contended)
-        self._cut_for_first_tokens()
+                self.steps.plan(w, now, contended)
+        self.steps.cut_for_first_tokens()
         for req in self.registry.in_state(State.TRANSFERRING):
             assert req.pair is not None
             if not req.transfer and req.pair.decode.table.grant_applied(req.decode_lease):
@@ -369,20 +372,6 @@ class SchedulerCore:
                 req.fire(Event.TRANSFER_STARTED, transfer=self._transfer_keys)
                 self._actions.append(self._transfer_plan(req))
         self.metrics.queue_sizes(len(self.queue), self.num_running())
-
-    def _cut_for_first_tokens(self) -> None:
-        """Ask each worker whose step in flight carries only other groups' prompt chunks to stop
-        it between layers (CutStep) while a prompt of a group with nothing decoding waits for its
-        first token on it: that prompt's own step then goes next, not after the rest of a chunk
-        (up to a whole 128 tokens uncontended). The chunks cut go again as they were, and whole:
-        a chunk is cut once at most (`Request.chunk_cut`), so however many first tokens other
-        groups send, each chunk costs its request at most one step's work more. A group alone is
-        never cut for its own requests (`waits_for_first_token`)."""
-        for w in self.workers:
-            step = w.in_flight
-            if step is not None and step.cuttable and not step.cut_asked and first_token_on(w, self.registry.index):
-                step.cut_asked = True
-                self._actions.append(CutStep(w.name, step.step_id))
 
     def _transfer_plan(self, req: Request) -> StartTransfer:
         """Move what the decode pool does not already hold: from the first page past its cache hit
@@ -393,44 +382,6 @@ class SchedulerCore:
                              req.prefill_pages[first:end], req.decode_lease, req.decode_pages[first:end],
                              first_token=first * self.config.page_size_tokens, tenant=req.tenant,
                              sender=req.pair.prefill.name, receiver=req.pair.decode.name)
-
-    def _plan_step(self, w: WorkerBinding, now: float, contended: bool) -> None:
-        """The next step of idle worker `w`: decode steps of the requests decoding on it (each
-        first gets the page its next token lands in), then prefill chunks within the token
-        budget (`contended_chunks`); sent when it runs something or carries tag changes. Tag changes
-        alone first when `grant_goes_ahead`; nothing while it `waits_for_device` (scheduler/core/policy.py)."""
-        running = self.registry.index
-        if w.decodes and grant_goes_ahead(w, running):
-            self._send(w, [], [], [], now)
-            return
-        if not first_token_on(w, running) and waits_for_device(w, self.workers, contended):
-            return
-        decodes = self.preemption.grow(w, now) if w.decodes else []  # may preempt (prefilling and decoding ones)
-        seqs = decode_steps(decodes, w.table)
-        chunks, urgent = contended_chunks(prefilling_on(w, running) if w.prefills else [], running,
-                                          self.config.chunk_tokens - len(seqs), w.table, contended,
-                                          self.config.held_back_tokens)
-        if seqs or chunks or w.table.has_pending:
-            self._send(w, decodes, chunks, seqs + [s for _, s in chunks], now, urgent=urgent,
-                       cuttable=bool(chunks) and not seqs and not urgent and not any(r.chunk_cut for r, _ in chunks))
-
-    def _send(self, w: WorkerBinding, decodes: list[Request], chunks: list[tuple[Request, SeqStep]],
-              seqs: list[SeqStep], now: float, *, urgent: bool = False, cuttable: bool = False) -> None:
-        """`urgent`: it may pass the steps queued on its device (RunStep.urgent); tag changes alone
-        always may (they take no time). `cuttable`: it carries only chunks of groups already
-        decoding (RunStep.cuttable), which `_cut_for_first_tokens` may stop."""
-        pending = w.table.take_pending()
-        self._step_id += 1
-        w.in_flight = Step(pending.number, decodes, chunks, seqs, self._step_id, cuttable)
-        w.last_sent_s = now
-        if seqs:
-            w.last_step = self._step_id
-        for req in w.in_flight.requests:
-            req.fire(Event.STEP_SENT)
-        message = RunStep(self._step_id, seqs, grants=pending.grants, released=pending.released,
-                          landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation,
-                          urgent=urgent or not seqs, cuttable=cuttable)
-        self._actions.append(SendStep(w.name, message))
 
     # ---- starting, retrying and ending requests ----
 
