@@ -82,7 +82,7 @@ class ApiKeys:
                                    f"expected {sorted(_TENANT_FIELDS)}")
             limits = {k: v for k, v in entry.items() if k != "key_sha256"}
             try:
-                tenant = Tenant(name, **limits)
+                tenant = Tenant(name=name, **limits)
             except ValueError as e:
                 raise ApiKeysError(f"--api-keys {path}: [tenants.{name}]: {e}") from None
             for digest in _digests(path, f"tenants.{name}", entry.get("key_sha256")):

@@ -302,7 +302,7 @@ def _api_key(args: argparse.Namespace) -> int:
     from kvfence.app.api_keys import key_digest, new_key
     from kvfence.scheduler.core.tenants import Tenant
 
-    Tenant(args.tenant)  # a bad name fails here, not when the server reads the file
+    Tenant(name=args.tenant)  # a bad name fails here, not when the server reads the file
     key = new_key()
     print(f"# API key for tenant {args.tenant} (give it to the tenant; it is not stored anywhere):\n# {key}\n"
           f"[tenants.{args.tenant}]\nkey_sha256 = [\"{key_digest(key)}\"]")

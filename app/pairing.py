@@ -90,4 +90,4 @@ async def pair_workers(tg: TaskGroup, transport: str, prefill: tuple[KVPool, Pai
     log.info("paired prefill -> decode over %s (%s); context limits %d and %d tokens, serving %d",
              transport, receiver_info.address, prefill_record.max_context_tokens,
              peer.info.record.max_context_tokens, context)
-    return PairedWorkers(link, peer, endpoints, context)
+    return PairedWorkers(link=link, peer=peer, endpoints=endpoints, max_context_tokens=context)

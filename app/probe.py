@@ -102,7 +102,7 @@ class Prober:
                 "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
         start = time.perf_counter()
         parts: list[str] = []
-        reply = Reply(0)
+        reply = Reply(status=0)
         with self.http.stream("POST", "/v1/chat/completions", json=body, headers=self._headers(key)) as r:
             reply.status = r.status_code
             if r.status_code != 200:
@@ -174,8 +174,10 @@ class Prober:
         leaks = self.leaked(name)
         outputs = sum(1 for n, _ in self.b_texts if n == name)
         if leaks:
-            return Check(name, LEAK, f"B's output contains A's canary {leaks[0]}", {"canaries": leaks})
-        return Check(name, PASS, f"{outputs} outputs of B, {len(self.canaries)} canaries of A: none crossed")
+            return Check(name=name, status=LEAK, detail=f"B's output contains A's canary {leaks[0]}",
+                         data={"canaries": leaks})
+        return Check(name=name, status=PASS,
+                     detail=f"{outputs} outputs of B, {len(self.canaries)} canaries of A: none crossed")
 
     def check_plain(self) -> Check:
         def run() -> None:
@@ -217,11 +219,13 @@ class Prober:
         reply = self.ask_b("over the context", filler_words=self.context * 2)
         leaks = self.leaked("over the context")
         if reply.status == 200:
-            return Check("over-long prompt refused", FAIL if not leaks else LEAK,
-                         f"a prompt of ~{self.context * 2} words (context {self.context}) was answered, not refused")
+            return Check(name="over-long prompt refused", status=FAIL if not leaks else LEAK,
+                         detail=f"a prompt of ~{self.context * 2} words (context {self.context}) was answered, "
+                                "not refused")
         if 400 <= reply.status < 500:
-            return Check("over-long prompt refused", PASS, f"{reply.status} for ~{self.context * 2} words")
-        return Check("over-long prompt refused", FAIL, f"status {reply.status}: {reply.text[:120]}")
+            return Check(name="over-long prompt refused", status=PASS,
+                         detail=f"{reply.status} for ~{self.context * 2} words")
+        return Check(name="over-long prompt refused", status=FAIL, detail=f"status {reply.status}: {reply.text[:120]}")
 
     def check_transfer_fields(self) -> Check:
         answered = []
@@ -231,8 +235,10 @@ class Prober:
             if reply.status == 200 or reply.status >= 500:
                 answered.append(f"{field} ({reply.status})")
         if answered:
-            return Check("transfer fields refused", FAIL, "accepted in a request body: " + ", ".join(answered))
-        return Check("transfer fields refused", PASS, "kv_transfer_params, bootstrap_host, bootstrap_room: 4xx")
+            return Check(name="transfer fields refused", status=FAIL,
+                         detail="accepted in a request body: " + ", ".join(answered))
+        return Check(name="transfer fields refused", status=PASS,
+                     detail="kv_transfer_params, bootstrap_host, bootstrap_room: 4xx")
 
     def check_envelope(self) -> Check:
         problems = []
@@ -248,9 +254,9 @@ class Prober:
             if r.status_code != 401 or _error(r) is None:
                 problems.append(f"a request without a key got {r.status_code}, not 401 with an error envelope")
         if problems:
-            return Check("error envelope", FAIL, "; ".join(problems))
-        return Check("error envelope", PASS, "400 with {error: {message, type}}" + (", 401 without a key" if self.key_a
-                                                                                 else ""))
+            return Check(name="error envelope", status=FAIL, detail="; ".join(problems))
+        return Check(name="error envelope", status=PASS,
+                     detail="400 with {error: {message, type}}" + (", 401 without a key" if self.key_a else ""))
 
     # ---- prefix-cache timing ----
 
@@ -261,7 +267,7 @@ class Prober:
         cold one and nearer (on a log scale) to A's warm hit than to it."""
         name = "prefix cache across keys"
         if not self.two_keys:
-            return Check(name, SKIP, "needs two keys (--key and --other-key)")
+            return Check(name=name, status=SKIP, detail="needs two keys (--key and --other-key)")
         n = max(64, min(self.context // 3, 1500))
         cold: list[float] = []
         warm: list[float] = []
@@ -281,7 +287,8 @@ class Prober:
             else:
                 b_cold, b = self.chat(self.key_b, mine, 2), self.chat(self.key_b, shared, 2)
             if any(x.status != 200 for x in (a1, a2, b, b_cold)):
-                return Check(name, FAIL, f"a request failed: {[x.status for x in (a1, a2, b, b_cold)]}")
+                return Check(name=name, status=FAIL,
+                             detail=f"a request failed: {[x.status for x in (a1, a2, b, b_cold)]}")
             if warmup:
                 warmup = False
                 continue
@@ -297,11 +304,14 @@ class Prober:
         times = (f"TTFT A cold {a_cold * 1e3:.0f} ms, A warm {a_warm * 1e3:.0f} ms, "
                  f"B on A's prompt {b_same * 1e3:.0f} ms, B cold {b_cold_s * 1e3:.0f} ms")
         if any(cached):
-            return Check(name, LEAK, f"B found {max(cached)} of A's prompt tokens cached; " + times, data)
+            return Check(name=name, status=LEAK, detail=f"B found {max(cached)} of A's prompt tokens cached; " + times,
+                         data=data)
         cache_works = a_warm < FAST * a_cold
         if cache_works and b_same < FAST * b_cold_s and b_same < (a_warm * b_cold_s) ** 0.5:
-            return Check(name, LEAK, "B is served A's prompt as fast as A's own cache hit; " + times, data)
-        return Check(name, PASS, ("" if cache_works else "no cache hit seen even within A; ") + times, data)
+            return Check(name=name, status=LEAK, detail="B is served A's prompt as fast as A's own cache hit; " + times,
+                         data=data)
+        return Check(name=name, status=PASS,
+                     detail=("" if cache_works else "no cache hit seen even within A; ") + times, data=data)
 
     def run(self, progress: bool = True) -> list[Check]:
         self.discover()
@@ -313,8 +323,8 @@ class Prober:
             try:
                 results.append(step())
             except httpx.HTTPError as e:
-                results.append(Check(step.__name__.removeprefix("check_").replace("_", " "), FAIL,
-                                     f"{type(e).__name__}: {e}"))
+                results.append(Check(name=step.__name__.removeprefix("check_").replace("_", " "), status=FAIL,
+                                     detail=f"{type(e).__name__}: {e}"))
             bar.update(1)
         bar.close()
         return results

@@ -111,7 +111,7 @@ async def pair_remote(prefill: RemoteWorker, decode: RemoteWorker, page_size_tok
     log.info("paired the prefill worker at %s -> the decode worker at %s over %s (%s); context limits %d and %d "
              "tokens, serving %d", prefill.address, decode.address, endpoint.transport, endpoint.address,
              prefill.description.max_context_tokens, record.max_context_tokens, context)
-    return RemotePair(prefill, decode, link, context)
+    return RemotePair(prefill=prefill, decode=decode, link=link, max_context_tokens=context)
 
 
 class Fleet:

@@ -58,7 +58,7 @@ def setting(default: Any, help: str, **declared: Any) -> Any:
     (bounds); `parse` (text -> value, e.g. byte sizes; also applied to a string given for a
     non-string field); `check` (raises ValueError naming the problem); `dest`, `flag` and
     `env_aliases` when the derived names do not fit."""
-    return dataclasses.field(default=default, metadata={_SETTING: Setting(help, **declared)})
+    return dataclasses.field(default=default, metadata={_SETTING: Setting(help=help, **declared)})
 
 
 def section(cls: type) -> Any:
@@ -186,7 +186,8 @@ def _own(cls: type, path: tuple[str, ...]) -> Iterator[Declared]:
         if kind not in _KINDS:
             raise TypeError(f"{cls.__name__}.{f.name}: a setting is a str, int, float or bool, not {kind}")
         prefix = getattr(cls, "dest_prefix", "")
-        yield Declared((*path, f.name), s.dest or prefix + f.name, kind, optional, f.default, s)
+        yield Declared(path=(*path, f.name), dest=s.dest or prefix + f.name, kind=kind, optional=optional,
+                       default=f.default, setting=s)
 
 
 def _sections(cls: type) -> Iterator[tuple[str, type]]:

@@ -123,14 +123,15 @@ def plan_pools(config: ServeConfig, model: ModelConfig, element_size: int) -> li
         prefix = "prefill" if role == "prefill" else "decode"
         pages = _num_pages(config, prefix, bytes_per_page, context)
         tokens = pages * page_size_tokens
-        plans.append(PoolPlan(role, pages, page_size_tokens, bytes_per_token, tokens,
-                              tokens * bytes_per_token))
+        plans.append(PoolPlan(role=role, num_pages=pages, page_size_tokens=page_size_tokens,
+                              bytes_per_token=bytes_per_token, pool_tokens=tokens, pool_bytes=tokens * bytes_per_token))
     return plans
 
 
 def check_sizing(plans: list[PoolPlan], context_tokens: int) -> list[SizingVerdict]:
     """One verdict per plan, in order, against a context of `context_tokens`."""
-    return [SizingVerdict(p.role, p.pool_tokens, p.bytes_per_token, context_tokens) for p in plans]
+    return [SizingVerdict(role=p.role, pool_tokens=p.pool_tokens, bytes_per_token=p.bytes_per_token,
+                          context_tokens=context_tokens) for p in plans]
 
 
 def _pages(n: int) -> str:

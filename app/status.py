@@ -69,11 +69,12 @@ async def collect(discovery: str | None, front: str | None, admin_key: str | Non
         except ETCD_ERRORS as e:
             raise ValueError(f"etcd at {etcd[0]}:{etcd[1]} does not answer: {e}") from None
         for r in registrations:
-            found[f"{r.role}@{r.control}"] = WorkerStatus(f"{r.role}@{r.control}", r.role, r.incarnation, r.device,
-                                                          {"total": r.num_pages}, registered=True)
+            found[f"{r.role}@{r.control}"] = WorkerStatus(name=f"{r.role}@{r.control}", role=r.role,
+                                                          incarnation=r.incarnation, device=r.device,
+                                                          pages={"total": r.num_pages}, registered=True)
     if front is not None:
         for name, pages, draining in await _front_pools(front, admin_key):
-            status = found.setdefault(name, WorkerStatus(name, name.split("@", 1)[0],
+            status = found.setdefault(name, WorkerStatus(name=name, role=name.split("@", 1)[0],
                                                          asked_etcd=discovery is not None))
             status.pages.update(pages)
             status.served, status.draining = True, draining

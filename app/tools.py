@@ -118,19 +118,20 @@ def plan_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | No
             raise _invalid("tool_choice", "tool_choice 'auto' needs to read the calls in the model's own syntax, and "
                            "this model's chat template teaches one this server does not read (it reads <tool_call> "
                            "blocks): send tool_choice 'required' or name a function", "unsupported_value")
-        return ToolPlan(tuple(params), None, None, syntax)
+        return ToolPlan(names=tuple(params), named=None, grammar=None, syntax=syntax)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in params:
             raise _invalid("tool_choice.function.name", f"no tool is named {choice.function.name!r}")
         schema = params[choice.function.name]
-        return ToolPlan(tuple(params), choice.function.name, grammar_spec("json_schema", schema, strict=True))
+        return ToolPlan(names=tuple(params), named=choice.function.name,
+                        grammar=grammar_spec("json_schema", schema, strict=True))
     if choice != "required":
         raise _invalid("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}")
     call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                        "properties": {"name": {"const": name}, "parameters": schema}}
                       for name, schema in params.items()]}
     calls = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if parallel is False else {})}
-    return ToolPlan(tuple(params), None, grammar_spec("json_schema", calls, strict=True))
+    return ToolPlan(names=tuple(params), named=None, grammar=grammar_spec("json_schema", calls, strict=True))
 
 
 def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:

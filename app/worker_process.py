@@ -35,8 +35,8 @@ ROLES = ("prefill", "decode")
 def registration(server: WorkerServer, control: str, transport: str) -> Registration:
     """What etcd says of this worker now (its incarnation changes when its scheduler goes)."""
     d = server.describe()
-    return Registration(d.role, d.incarnation, control, d.device, d.num_pages, transport,
-                        d.endpoint.address if d.endpoint else "")
+    return Registration(role=d.role, incarnation=d.incarnation, control=control, device=d.device, num_pages=d.num_pages,
+                        transport=transport, endpoint=d.endpoint.address if d.endpoint else "")
 
 
 def check_worker_settings(config: ServeConfig, role: str) -> tuple[DeploymentSecret, FrontPublicKey]:

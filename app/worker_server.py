@@ -109,9 +109,11 @@ class WorkerServer:
 
     def describe(self) -> Description:
         pool = self.worker.pool
-        return Description(self.worker.role, self.worker.incarnation, str(self.worker.device), self.model,
-                           pool.num_pages, pool.page_size_tokens, self.max_context_tokens,
-                           self.endpoint.info if self.endpoint is not None else None, PROTOCOL_VERSION)
+        return Description(role=self.worker.role, incarnation=self.worker.incarnation, device=str(self.worker.device),
+                           model=self.model, num_pages=pool.num_pages, page_size_tokens=pool.page_size_tokens,
+                           max_context_tokens=self.max_context_tokens,
+                           endpoint=self.endpoint.info if self.endpoint is not None else None,
+                           protocol=PROTOCOL_VERSION)
 
     async def serve(self, listener: socket.socket, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Accept on `listener` until cancelled."""

@@ -50,7 +50,8 @@ def build_workers(config: ServeConfig, checkpoint: Checkpoint, intra_op_threads:
     of the full context (unless --clamp-context)."""
     roles = ["prefill"] if config.disaggregation == "off" else ["prefill", "decode"]
     workers, dtype, context, compute = _build(config, checkpoint, roles, intra_op_threads, guards)
-    return Workers(workers["prefill"], workers.get("decode"), dtype, context, compute)
+    return Workers(prefill=workers["prefill"], decode=workers.get("decode"), dtype=dtype, max_context_tokens=context,
+                   compute=compute)
 
 
 @dataclasses.dataclass

@@ -81,7 +81,8 @@ def build_attention_batch(
             pages.append(table[pos // page_size])
             offsets.append(pos % page_size)
         used = (ctx + n + page_size - 1) // page_size
-        spans.append(PrefillSpan(row, n, ctx, torch.tensor(table[:used], dtype=torch.int64, device=device)))
+        spans.append(PrefillSpan(token_start=row, num_tokens=n, context_tokens=ctx,
+                                 page_table=torch.tensor(table[:used], dtype=torch.int64, device=device)))
         row += n
     # Read only the pages that hold keys: a table may already reserve pages for future tokens.
     used_tables = [t[: (n + page_size - 1) // page_size] for t, n in decode]

@@ -108,8 +108,8 @@ class KvSanitizer:
                 position = int(bad[0])
                 slot = int(slots[position])
                 writer = tag_lease(int(self._hi[slot]), int(self._lo[slot]))
-                violations.append(SlotViolation(i, position, slot // self.page_size_tokens,
-                                                slot % self.page_size_tokens, w.lease, writer))
+                violations.append(SlotViolation(work_index=i, position=position, page=slot // self.page_size_tokens,
+                                                slot=slot % self.page_size_tokens, lease=w.lease, writer=writer))
         return violations
 
     def written_by(self, page: int, slot: int) -> int:

@@ -71,6 +71,6 @@ def check_owner_tags(pool: KVPool, works: Sequence[_Reader]) -> list[OwnerViolat
         row = next((r for r in range(start, start + n) if r in bad_rows), None)
         if row is not None:
             hi, lo = found[row].tolist()
-            violations.append(OwnerViolation(i, pages[row], w.lease, tag_lease(hi, lo)))
+            violations.append(OwnerViolation(work_index=i, page=pages[row], lease=w.lease, owner=tag_lease(hi, lo)))
         start += n
     return violations

@@ -34,9 +34,10 @@ class SamplingSpec(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, p: SamplingParams) -> SamplingSpec:
-        return cls(p.temperature, p.top_p, p.top_k, p.seed, p.presence_penalty, p.frequency_penalty,
-                   p.repetition_penalty, p.min_p, list(p.logit_bias), p.logprobs,
-                   p.grammar_key if p.grammar is not None else None)
+        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                   presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                   repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=list(p.logit_bias),
+                   logprobs=p.logprobs, grammar=p.grammar_key if p.grammar is not None else None)
 
     def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

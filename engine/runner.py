@@ -112,7 +112,8 @@ class ModelRunner:
         if violations:
             excluded = {v.work_index for v in violations}
             kept = [i for i in range(len(works)) if i not in excluded]
-            inner = self.step([works[i] for i in kept], return_logits, cut) if kept else StepResult([], None)
+            inner = (self.step([works[i] for i in kept], return_logits, cut) if kept
+                     else StepResult(tokens=[], logits=None))
             tokens: list[int | None] = [None] * len(works)
             kept_logprobs: list[TokenLogprobs | None] = [None] * len(works) if inner.logprobs else []
             scores: list[list[TokenLogprobs]] = [[] for _ in works] if inner.prompt_logprobs else []
@@ -123,7 +124,8 @@ class ModelRunner:
                 if inner.prompt_logprobs:
                     scores[i] = inner.prompt_logprobs[j]
             dead_ends = {kept[j]: why for j, why in inner.dead_ends.items()}
-            return StepResult(tokens, inner.logits, violations, kept_logprobs, scores, dead_ends, cut=inner.cut)
+            return StepResult(tokens=tokens, logits=inner.logits, violations=violations, logprobs=kept_logprobs,
+                              prompt_logprobs=scores, dead_ends=dead_ends, cut=inner.cut)
         order = [i for i, w in enumerate(works) if w.is_decode] + \
                 [i for i, w in enumerate(works) if not w.is_decode]
         num_decode = sum(1 for w in works if w.is_decode)
@@ -166,14 +168,14 @@ class ModelRunner:
                                             torch.tensor(score_rows + prompt_rows, dtype=torch.int64, device=device),
                                             between_layers if cut is not None else None)
         except _Cut:
-            return StepResult(tokens, None, cut=True)
+            return StepResult(tokens=tokens, logits=None, cut=True)
         if self.sanitizer is not None:  # the forward stored every work's new K/V
             for w in works:
                 self.sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))
         prompt_logprobs = self._prompt_logprobs(works, all_logits[len(score_rows):], prompt_targets)
         logits = all_logits[:len(score_rows)]
         if not scored:
-            return StepResult(tokens, None, prompt_logprobs=prompt_logprobs)
+            return StepResult(tokens=tokens, logits=None, prompt_logprobs=prompt_logprobs)
         # [N, V]; logprobs stay the model's
         allowed, dead_rows = apply_grammars(logits, [works[i].grammar for i in scored])
         sampled = self.sampler.sample(allowed, params, [works[i].output_index for i in scored],
@@ -193,7 +195,8 @@ class ModelRunner:
                 logprobs[i] = None
             dead_ends[i] = (f"the output's grammar allows no token after output token {works[i].output_index}: "
                             "the schema cannot be satisfied from here")
-        result = StepResult(tokens, None, logprobs=logprobs, prompt_logprobs=prompt_logprobs, dead_ends=dead_ends)
+        result = StepResult(tokens=tokens, logits=None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                            dead_ends=dead_ends)
         if return_logits:
             result.logits = logits[sorted(range(len(scored)), key=lambda row: scored[row])]
         return result

@@ -87,15 +87,17 @@ class Worker:
         only: logits never travel)."""
         match request:
             case RunStep() if request.incarnation and request.incarnation != self.incarnation:
-                return StepFailed(request.step_id, f"the {self.role} worker restarted (step for incarnation "
-                                  f"{request.incarnation}, worker is {self.incarnation})", self.incarnation,
-                                  stale_incarnation=True), None
+                return StepFailed(step_id=request.step_id,
+                                  message=f"the {self.role} worker restarted (step for incarnation "
+                                          f"{request.incarnation}, worker is {self.incarnation})",
+                                  incarnation=self.incarnation, stale_incarnation=True), None
             case RunStep():
                 try:
                     return self._run_step(request, return_logits)
                 except Exception as e:  # a failed step fails its requests, not the worker
                     log.exception("%s worker: step %d failed", self.role, request.step_id)
-                    return StepFailed(request.step_id, f"{type(e).__name__}: {e}", self.incarnation), None
+                    return StepFailed(step_id=request.step_id, message=f"{type(e).__name__}: {e}",
+                                      incarnation=self.incarnation), None
         raise TypeError(f"unknown worker message {type(request).__name__}")
 
     def _apply_tags(self, cmd: RunStep) -> None:
@@ -131,9 +133,10 @@ class Worker:
         except Exception as e:
             log.exception("%s worker: applying the page tags of step %d failed: restarting", self.role, cmd.step_id)
             self.restart()
-            return StepFailed(cmd.step_id, f"{type(e).__name__}: {e}", self.incarnation), None
+            return StepFailed(step_id=cmd.step_id, message=f"{type(e).__name__}: {e}",
+                              incarnation=self.incarnation), None
         if not cmd.seqs:
-            return StepDone(cmd.step_id, [], incarnation=self.incarnation), None
+            return StepDone(step_id=cmd.step_id, tokens=[], incarnation=self.incarnation), None
         works: list[SeqWork] = []
         indices: list[int] = []  # the seq index of each work
         failed: list[SeqFailure] = []
@@ -180,9 +183,9 @@ class Worker:
                 prompt_logprobs = [[] for _ in range(n)]
                 for j, index in enumerate(indices):
                     prompt_logprobs[index] = result.prompt_logprobs[j]
-        return StepDone(cmd.step_id, tokens, violations, self.incarnation, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs, failed=sorted(failed, key=lambda f: f.seq_index),
-                        deferred=deferred, cut=cut), logits
+        return StepDone(step_id=cmd.step_id, tokens=tokens, violations=violations, incarnation=self.incarnation,
+                        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                        failed=sorted(failed, key=lambda f: f.seq_index), deferred=deferred, cut=cut), logits
 
     def _defer(self, s: SeqStep) -> bool:
         """Leave `s` out of this step: its grammar is still being compiled here in the background
@@ -203,18 +206,20 @@ class Worker:
         if params is not None and params.grammar is not None:
             grammar = self.grammars.observe(s.lease, s.grammar, s.context_tokens, s.token_ids, s.history,
                                             s.prompt_tokens, key=params.grammar)
-        return SeqWork(s.token_ids, s.context_tokens, self.page_tables.extend(s.lease, s.new_pages), s.lease,
-                       params, s.output_index, s.seal, counts, grammar, s.score, s.score_top)
+        return SeqWork(token_ids=s.token_ids, context_tokens=s.context_tokens,
+                       page_table=self.page_tables.extend(s.lease, s.new_pages), lease=s.lease, sampling=params,
+                       output_index=s.output_index, seal=s.seal, counts=counts, grammar=grammar, score=s.score,
+                       score_top=s.score_top)
 
     def _mismatch(self, v: OwnerViolation | SlotViolation, indices: list[int]) -> OwnerMismatch:
         """The violation of work `v.work_index` as its seq's (`indices`: the seq index of each work)."""
         if isinstance(v, OwnerViolation):
-            return OwnerMismatch(indices[v.work_index], v.page, v.owner)
+            return OwnerMismatch(seq_index=indices[v.work_index], page=v.page, owner=v.owner)
         log.error("KV SANITIZER: %s worker: %s would read token %d (page %d slot %d), last written "
                   "by %s", self.role, self.page_tables.who(v.lease), v.position, v.page, v.slot,
                   self.page_tables.who(v.writer) if v.writer else "nobody since the page was released")
-        return OwnerMismatch(indices[v.work_index], v.page, v.writer, "sanitizer",
-                             f"token {v.position} (slot {v.slot})")
+        return OwnerMismatch(seq_index=indices[v.work_index], page=v.page, owner=v.writer, check="sanitizer",
+                             detail=f"token {v.position} (slot {v.slot})")
 
 
 class LocalWorkerChannel:

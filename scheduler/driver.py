@@ -247,7 +247,7 @@ class Scheduler:
             return
         except Exception as e:  # the channel broke: the step failed, the server goes on
             log.exception("%s worker: step %d could not be run", action.worker, action.message.step_id)
-            reply = StepFailed(action.message.step_id, f"{type(e).__name__}: {e}")
+            reply = StepFailed(step_id=action.message.step_id, message=f"{type(e).__name__}: {e}")
         self.core.step_replied(action.worker, reply, time.monotonic())
         self._carry_out()
 
@@ -266,12 +266,13 @@ class Scheduler:
         link = self._links.get((action.sender, action.receiver))
         try:
             if link is None:  # a worker of its pair was lost before it started
-                result = MoveResult(False, f"no link from {action.sender} to {action.receiver}: a worker was lost")
+                result = MoveResult(ok=False,
+                                    reason=f"no link from {action.sender} to {action.receiver}: a worker was lost")
             else:
                 result = await link.move(action, timeout_s=self.config.transfer_timeout_s)
         except Exception:  # a bug here must fail one request, not the server
             log.exception("%s: transfer task failed", action.who)
-            result, crashed = MoveResult(False, "the transfer task failed", quiet=False), True
+            result, crashed = MoveResult(ok=False, reason="the transfer task failed", quiet=False), True
         self.core.transfer_finished(action.key, result, time.monotonic(), crashed=crashed)
         self._carry_out()
 

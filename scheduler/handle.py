@@ -66,7 +66,7 @@ class RequestHandle:
                 if self._ids or self._texts:
                     text, ids, logprobs, prompt = "".join(self._texts), self._ids, self._logprobs, self._prompt_logprobs
                     self._texts, self._ids, self._logprobs, self._prompt_logprobs = [], [], [], []
-                    yield OutputDelta(text, ids, logprobs=logprobs, prompt_logprobs=prompt)
+                    yield OutputDelta(text=text, token_ids=ids, logprobs=logprobs, prompt_logprobs=prompt)
                 elif self._terminal is not None:
                     yield self._terminal
                     return

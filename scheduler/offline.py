@@ -97,8 +97,10 @@ class OfflineEngine:
                 else:  # transfers and their quarantines exist only between two pools
                     raise RuntimeError(f"the offline engine cannot carry out {type(action).__name__}")
         # the core sent the last releases to the idle worker as soon as they were made: the pool is clean
-        return [GenerationOutput(list(prompt), tokens[i], texts[i], reasons[i] or "length",
-                                 torch.stack(logits[i]) if logits[i] else None) for i, prompt in enumerate(prompts)]
+        return [GenerationOutput(prompt_token_ids=list(prompt), generated_token_ids=tokens[i], text=texts[i],
+                                 finish_reason=reasons[i] or "length",
+                                 logits=torch.stack(logits[i]) if logits[i] else None)
+                for i, prompt in enumerate(prompts)]
 
     def flush_cache(self) -> int:
         """Drop the prefix cache (SchedulerCore.flush_cache) and hand the freed pages back to the

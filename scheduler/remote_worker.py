@@ -107,7 +107,7 @@ class RemoteWorker:
         answer = await self.ask(request)
         if isinstance(answer, StepDone | StepFailed):
             return answer
-        return StepFailed(request.step_id, _message(answer))
+        return StepFailed(step_id=request.step_id, message=_message(answer))
 
     async def cut(self, step_id: int) -> None:
         """`WorkerChannel.cut`: a call of its own, answered beside the step it names."""
@@ -212,7 +212,8 @@ class RemoteSendingEnd:
         self.receiver = receiver
 
     async def push(self, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int]) -> TransferResult:
-        answer = await self.worker.ask(Push(manifest, src_pages, dst_pages, self.receiver))
+        answer = await self.worker.ask(Push(manifest=manifest, src_pages=src_pages, dst_pages=dst_pages,
+                                            receiver=self.receiver))
         if isinstance(answer, Verdict):
             return TransferResult(manifest.transfer_id, answer.ok, answer.reason)
         return TransferResult(manifest.transfer_id, False, _message(answer))

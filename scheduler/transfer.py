@@ -108,7 +108,7 @@ class TransferLink:
         never shift a page."""
         if (error := plan.plan_error(self.page_size_tokens)) is not None:
             log.error("%s: %s; the transfer is refused", plan.who, error)
-            return MoveResult(False, error)
+            return MoveResult(ok=False, reason=error)
         src, dst, num_pages = list(plan.src_pages), list(plan.dst_pages), len(plan.dst_pages)
         manifest = TransferManifest(transfer_id=id_hex(mint_id()), lease=id_hex(plan.dst_lease),
                                     nonce=id_hex(mint_id()), num_tokens=plan.num_tokens - plan.first_token,
@@ -121,7 +121,7 @@ class TransferLink:
         try:
             await self.receiver.expect(manifest, dst)
         except Exception as e:  # nothing is armed: no byte can land for this transfer
-            return MoveResult(False, f"the receiver refused the transfer: {e}")
+            return MoveResult(ok=False, reason=f"the receiver refused the transfer: {e}")
         try:
             with anyio.move_on_after(timeout_s) as scope:
                 pushed = await self.sender.push(manifest, src, dst)
@@ -134,8 +134,8 @@ class TransferLink:
         if scope.cancelled_caught:
             return await self._cancelled(manifest.transfer_id, plan.who, f"timed out after {timeout_s:g} s")
         if not verdict.ok or not pushed.ok:
-            return MoveResult(False, verdict.reason or pushed.reason)
-        return MoveResult(True, nbytes=num_pages * self.page_nbytes)
+            return MoveResult(ok=False, reason=verdict.reason or pushed.reason)
+        return MoveResult(ok=True, nbytes=num_pages * self.page_nbytes)
 
     async def _cancelled(self, transfer_id: str, who: str, reason: str) -> MoveResult:
         """A failed move, cancelled on both ends: the destination is quiet only when both
@@ -144,14 +144,14 @@ class TransferLink:
         when the sender did (nothing it posted can still read it)."""
         sender_ack, receiver_ack = await self._cancel(transfer_id, who)
         if sender_ack and receiver_ack:
-            return MoveResult(False, reason)
+            return MoveResult(ok=False, reason=reason)
 
         async def until_quiet() -> bool:
             # every byte either pool can still see moves by a write the sender posted: once those are
             # terminal (which only the sender learns), neither pool can be touched by this transfer
             return await self.sender.wait_quiet(transfer_id)
 
-        return MoveResult(False, reason, quiet=False, source_quiet=sender_ack, until_quiet=until_quiet)
+        return MoveResult(ok=False, reason=reason, quiet=False, source_quiet=sender_ack, until_quiet=until_quiet)
 
     async def _cancel(self, transfer_id: str, who: str) -> tuple[bool, bool]:
         """Cancel on both ends; each side's acknowledgement (sender, receiver)."""

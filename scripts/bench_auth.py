@@ -51,8 +51,8 @@ def median_us(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def manifest_for(num_pages: int) -> TransferManifest:
-    return TransferManifest(secrets.token_hex(16), secrets.token_hex(16), secrets.token_hex(16),
-                            num_pages * PAGE_TOKENS, num_pages)
+    return TransferManifest(transfer_id=secrets.token_hex(16), lease=secrets.token_hex(16), nonce=secrets.token_hex(16),
+                            num_tokens=num_pages * PAGE_TOKENS, num_pages=num_pages)
 
 
 def bench_capability(repeat: int) -> None:
@@ -117,8 +117,9 @@ def raw_connect_rtt(repeat: int) -> float:
 
 
 async def bench_pair(name: str, repeat: int) -> None:
-    record = PairingRecord("bench@1", "float32", PAGE_TOKENS, PAGE_NBYTES,
-                           "pages,layers,kv,kv_heads,page_size,head_dim", "xxh3_64", 8192, secrets.token_hex(8))
+    record = PairingRecord(model="bench@1", dtype="float32", page_size_tokens=PAGE_TOKENS, page_nbytes=PAGE_NBYTES,
+                           page_layout="pages,layers,kv,kv_heads,page_size,head_dim", digest="xxh3_64",
+                           max_context_tokens=8192, incarnation=secrets.token_hex(8))
     src, dst = torch.randn(4, PAGE_NBYTES // 4), torch.zeros(4, PAGE_NBYTES // 4)
     try:
         tx, rx = (create_transport(name, secret=SECRET, front_key=FRONT.public),

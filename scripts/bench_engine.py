@@ -46,7 +46,8 @@ def bench(runners: list[ModelRunner], batch: int, prompt_tokens: int, decode_ste
     prefill_s = 0.0
     for i, (table, prompt) in enumerate(zip(tables, prompts)):
         t0 = time.perf_counter()
-        out = runner.step([SeqWork(prompt, 0, table, LEASE + i, GREEDY)])
+        out = runner.step([SeqWork(token_ids=prompt, context_tokens=0, page_table=table, lease=LEASE + i,
+                                   sampling=GREEDY)])
         if i == 0:
             prefill_s = time.perf_counter() - t0
         last.append(out.tokens[0])  # type: ignore[arg-type]
@@ -59,7 +60,8 @@ def bench(runners: list[ModelRunner], batch: int, prompt_tokens: int, decode_ste
     for step in range(decode_steps + 1):
         k = step % len(runners)
         t0 = time.perf_counter()
-        out = runners[k].step([SeqWork([t], ctx, tb, LEASE + i, GREEDY)
+        out = runners[k].step([SeqWork(token_ids=[t], context_tokens=ctx, page_table=tb, lease=LEASE + i,
+                                       sampling=GREEDY)
                                for i, (t, tb) in enumerate(zip(last, tables))])
         if step > 0:  # the first step warms up
             spent[k] += time.perf_counter() - t0

@@ -194,10 +194,10 @@ async def control_channel_cost(model: str, steps: int) -> tuple[float, float]:
 
     async def timed(channel) -> float:  # type: ignore[no-untyped-def]
         for i in range(20):
-            await channel.call(RunStep(i + 1, [], incarnation=worker.incarnation))
+            await channel.call(RunStep(step_id=i + 1, seqs=[], incarnation=worker.incarnation))
         start = time.perf_counter()
         for i in range(steps):
-            await channel.call(RunStep(100 + i, [], incarnation=worker.incarnation))
+            await channel.call(RunStep(step_id=100 + i, seqs=[], incarnation=worker.incarnation))
         return (time.perf_counter() - start) / steps
 
     async with anyio.create_task_group() as tg:

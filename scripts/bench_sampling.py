@@ -66,8 +66,8 @@ class Batch:
         counts = self.counts.observe(lease, position, tokens, history, self.prompt_tokens) if p.penalized else None
         grammar = (self.grammars.observe(lease, p.grammar, position, tokens, history, self.prompt_tokens)
                    if p.grammar is not None else None)
-        return SeqWork(tokens, position, table, lease, p, max(0, position + len(tokens) - self.prompt_tokens),
-                       counts=counts, grammar=grammar)
+        return SeqWork(token_ids=tokens, context_tokens=position, page_table=table, lease=lease, sampling=p,
+                       output_index=max(0, position + len(tokens) - self.prompt_tokens), counts=counts, grammar=grammar)
 
     def step(self) -> None:
         t0 = time.perf_counter()

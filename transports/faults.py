@@ -152,7 +152,7 @@ def _parse_item(item: str) -> FaultSpec:
         if not arg.isdigit() or int(arg) < 1:
             raise bad(f"every-N-th needs a whole number >= 1, got {arg!r}")
         every = int(arg)
-    return FaultSpec(kind, seconds, probability, every)
+    return FaultSpec(kind=kind, seconds=seconds, probability=probability, every=every)
 
 
 class FaultInjectingTransport(Transport):

@@ -66,7 +66,7 @@ class DecodeTables:
             pages = table[reached]
             if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
                 raise ValueError(f"the page table names pages outside 0..{num_pages - 1}")
-        return cls(table, lens, longest, rows)
+        return cls(page_table=table, kv_lens=lens, longest=longest, rows=rows)
 
 
 ATTEND_BLOCK = 4  # kernels.c: rows of one table that share their key tiles

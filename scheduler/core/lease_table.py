@@ -167,16 +167,16 @@ class LeaseTable:
         grants = [PageGrant(lease, pages, self._tenant.get(lease, "")) for lease, pages in self._grants
                   if self.ledger.holds(lease)]
         sealing = {lease for lease, _ in self._sealing.values()}
-        landed = [Landing(lease, pages, n, first) for lease, pages, first, n in self._landed
-                  if self.ledger.holds(lease) or lease in sealing]
+        landed = [Landing(lease=lease, pages=pages, num_tokens=n, first_token=first)
+                  for lease, pages, first, n in self._landed if self.ledger.holds(lease) or lease in sealing]
         for lease, _ in self._grants:
             if self.ledger.holds(lease):
                 self._grant_message[lease] = self._built
         seals: dict[tuple[int, int], list[int]] = {}
         for page, key in self._sealing.items():
             seals.setdefault(key, []).append(page)
-        pending = Pending(self._built, grants, self._released, landed,
-                          [Seal(lease, tag, pages) for (lease, tag), pages in seals.items()], self._ended)
+        pending = Pending(number=self._built, grants=grants, released=self._released, landed=landed,
+                          sealed=[Seal(lease, tag, pages) for (lease, tag), pages in seals.items()], ended=self._ended)
         self._grants, self._released, self._landed, self._ended, self._sealing = [], [], [], [], {}
         return pending
 

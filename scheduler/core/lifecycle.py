@@ -98,25 +98,29 @@ class Rule:
 
 
 TABLE: dict[Event, Rule] = {
-    Event.RESERVE: Rule(frozenset({State.WAITING}), state=State.PREFILLING),
-    Event.STEP_SENT: Rule(frozenset({State.PREFILLING, State.DECODING}), hold=Hold.STEP),
-    Event.STEP_SETTLED: Rule(ANY_STATE, frozenset({Hold.STEP}), ANY_EXIT, hold=Hold.NONE),
+    Event.RESERVE: Rule(states=frozenset({State.WAITING}), state=State.PREFILLING),
+    Event.STEP_SENT: Rule(states=frozenset({State.PREFILLING, State.DECODING}), hold=Hold.STEP),
+    Event.STEP_SETTLED: Rule(states=ANY_STATE, holds=frozenset({Hold.STEP}), exits=ANY_EXIT, hold=Hold.NONE),
     # a step's answer is taken even when an end waits: the end happens right after it
-    Event.PREFILLED: Rule(frozenset({State.PREFILLING}), exits=ANY_EXIT, state=State.TRANSFERRING),
-    Event.DECODE: Rule(frozenset({State.PREFILLING, State.TRANSFERRING}), exits=ANY_EXIT, state=State.DECODING),
-    Event.TRANSFER_STARTED: Rule(frozenset({State.TRANSFERRING}), hold=Hold.TRANSFER),
-    Event.TRANSFER_ENDED: Rule(frozenset({State.TRANSFERRING}), frozenset({Hold.TRANSFER}), ANY_EXIT,
+    Event.PREFILLED: Rule(states=frozenset({State.PREFILLING}), exits=ANY_EXIT, state=State.TRANSFERRING),
+    Event.DECODE: Rule(states=frozenset({State.PREFILLING, State.TRANSFERRING}), exits=ANY_EXIT, state=State.DECODING),
+    Event.TRANSFER_STARTED: Rule(states=frozenset({State.TRANSFERRING}), hold=Hold.TRANSFER),
+    Event.TRANSFER_ENDED: Rule(states=frozenset({State.TRANSFERRING}), holds=frozenset({Hold.TRANSFER}), exits=ANY_EXIT,
                                hold=Hold.NONE),
-    Event.PREEMPT: Rule(frozenset({State.PREFILLING, State.DECODING}), state=State.WAITING),
-    Event.ASK_END: Rule(LIVE, ANY_HOLD, ANY_EXIT, exit=Exit.END),  # a second one keeps the first's error
-    Event.ASK_RETRY: Rule(frozenset(RUNNING), ANY_HOLD, frozenset({Exit.NONE, Exit.RETRY}), exit=Exit.RETRY),
-    Event.KEEP: Rule(frozenset({State.TRANSFERRING}), exits=frozenset({Exit.RETRY}), exit=Exit.NONE),
-    Event.RETRY: Rule(frozenset(RUNNING), exits=frozenset({Exit.RETRY}), state=State.WAITING, exit=Exit.NONE),
-    Event.FINISH: Rule(frozenset({State.DECODING}), exits=ANY_EXIT, state=State.FINISHED, exit=Exit.NONE),
+    Event.PREEMPT: Rule(states=frozenset({State.PREFILLING, State.DECODING}), state=State.WAITING),
+    # a second end asked for keeps the first's error
+    Event.ASK_END: Rule(states=LIVE, holds=ANY_HOLD, exits=ANY_EXIT, exit=Exit.END),
+    Event.ASK_RETRY: Rule(states=frozenset(RUNNING), holds=ANY_HOLD, exits=frozenset({Exit.NONE, Exit.RETRY}),
+                          exit=Exit.RETRY),
+    Event.KEEP: Rule(states=frozenset({State.TRANSFERRING}), exits=frozenset({Exit.RETRY}), exit=Exit.NONE),
+    Event.RETRY: Rule(states=frozenset(RUNNING), exits=frozenset({Exit.RETRY}), state=State.WAITING, exit=Exit.NONE),
+    Event.FINISH: Rule(states=frozenset({State.DECODING}), exits=ANY_EXIT, state=State.FINISHED, exit=Exit.NONE),
     # an end never waits for a step on another worker: that worker's next message untags the
     # pages before anything else can be granted them (one step in flight per worker, in order)
-    Event.ABORT: Rule(LIVE, frozenset({Hold.NONE, Hold.STEP}), ANY_EXIT, state=State.ABORTED, exit=Exit.NONE),
-    Event.FAIL: Rule(LIVE, frozenset({Hold.NONE, Hold.STEP}), ANY_EXIT, state=State.FAILED, exit=Exit.NONE),
+    Event.ABORT: Rule(states=LIVE, holds=frozenset({Hold.NONE, Hold.STEP}), exits=ANY_EXIT, state=State.ABORTED,
+                      exit=Exit.NONE),
+    Event.FAIL: Rule(states=LIVE, holds=frozenset({Hold.NONE, Hold.STEP}), exits=ANY_EXIT, state=State.FAILED,
+                     exit=Exit.NONE),
 }
 
 

@@ -56,7 +56,8 @@ class TextOutput:
     def accept(self, token: int, logprobs: TokenLogprobs | None = None) -> OutputDelta:
         """The delta `token` (with its `logprobs`, when asked for) produces; terminal when it ends the request."""
         text, reason = self._accept(token)
-        return OutputDelta(text, [token], finish_reason=reason, logprobs=[] if logprobs is None else [logprobs])
+        return OutputDelta(text=text, token_ids=[token], finish_reason=reason,
+                           logprobs=[] if logprobs is None else [logprobs])
 
     def _accept(self, token: int) -> tuple[str, str | None]:
         self.num_generated += 1

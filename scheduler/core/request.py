@@ -158,4 +158,4 @@ class Request:
         if self.state.terminal:
             return None
         self.fire(Event.ABORT if error.code == CLIENT_CLOSED else Event.FAIL)
-        return OutputDelta("", [], error=error)
+        return OutputDelta(text="", token_ids=[], error=error)

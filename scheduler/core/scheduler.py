@@ -378,8 +378,9 @@ class SchedulerCore:
         to the last page of the prompt, page i of one page table into page i of the other."""
         assert req.pair is not None
         first, end = req.shared_decode, self.config.pages_for(req.prefill_target)
-        return StartTransfer(req.transfer, req.request_id, req.prefill_target, req.prefill_lease,
-                             req.prefill_pages[first:end], req.decode_lease, req.decode_pages[first:end],
+        return StartTransfer(key=req.transfer, request_id=req.request_id, num_tokens=req.prefill_target,
+                             src_lease=req.prefill_lease, src_pages=req.prefill_pages[first:end],
+                             dst_lease=req.decode_lease, dst_pages=req.decode_pages[first:end],
                              first_token=first * self.config.page_size_tokens, tenant=req.tenant,
                              sender=req.pair.prefill.name, receiver=req.pair.decode.name)
 

@@ -57,13 +57,14 @@ class Steps:
         decoding (RunStep.cuttable), which `cut_for_first_tokens` may stop."""
         pending = w.table.take_pending()
         self._step_id += 1
-        w.in_flight = Step(pending.number, decodes, chunks, seqs, self._step_id, cuttable)
+        w.in_flight = Step(number=pending.number, decodes=decodes, chunks=chunks, seqs=seqs, step_id=self._step_id,
+                           cuttable=cuttable)
         w.last_sent_s = now
         if seqs:
             w.last_step = self._step_id
         for req in w.in_flight.requests:
             req.fire(Event.STEP_SENT)
-        message = RunStep(self._step_id, seqs, grants=pending.grants, released=pending.released,
+        message = RunStep(step_id=self._step_id, seqs=seqs, grants=pending.grants, released=pending.released,
                           landed=pending.landed, sealed=pending.sealed, ended=pending.ended, incarnation=w.incarnation,
                           urgent=urgent or not seqs, cuttable=cuttable)
         self._actions.append(SendStep(w.name, message))

@@ -46,8 +46,8 @@ class Tenant:
         return f"{self.name}/{self.share}" if self.share else self.name
 
 
-ANONYMOUS = Tenant("anonymous")  # every request when the server runs without API keys
-INTERNAL = Tenant("internal")  # the server's own requests (the readiness canary)
+ANONYMOUS = Tenant(name="anonymous")  # every request when the server runs without API keys
+INTERNAL = Tenant(name="internal")  # the server's own requests (the readiness canary)
 RESERVED_NAMES = (ANONYMOUS.name, INTERNAL.name)
 
 
@@ -107,7 +107,7 @@ class TenantLoads(dict[str, TenantLoad]):
         load = self.get(tenant.name)
         if load is None or load.tenant != tenant:
             bucket = TokenBucket(tenant.tokens_per_minute, now) if tenant.tokens_per_minute else None
-            load = self[tenant.name] = (TenantLoad(tenant, bucket=bucket) if load is None
+            load = self[tenant.name] = (TenantLoad(tenant=tenant, bucket=bucket) if load is None
                                         else dataclasses.replace(load, tenant=tenant, bucket=bucket))
         return load
 

@@ -62,10 +62,10 @@ def test_samples_stream_interleaved_each_naming_its_choice_then_usage_once() -> 
 
     def feed(handles: list[RequestHandle]) -> None:
         second, first = handles[1], handles[0]
-        second.push(OutputDelta("b", [98]))
-        first.push(OutputDelta("a", [97]))
-        second.push(OutputDelta("", [], finish_reason="length", cached_tokens=9))
-        first.push(OutputDelta("", [], finish_reason="stop", cached_tokens=4))
+        second.push(OutputDelta(text="b", token_ids=[98]))
+        first.push(OutputDelta(text="a", token_ids=[97]))
+        second.push(OutputDelta(text="", token_ids=[], finish_reason="length", cached_tokens=9))
+        first.push(OutputDelta(text="", token_ids=[], finish_reason="stop", cached_tokens=4))
 
     _, events = run_fed(engine, CHAT, chat_body(n=2, seed=3, stream=True, stream_options={"include_usage": True}),
                         feed)
@@ -84,9 +84,10 @@ def test_a_failed_sample_fails_the_request_and_aborts_the_others() -> None:
     engine = StubEngine("idle")
 
     def feed(handles: list[RequestHandle]) -> None:
-        handles[0].push(OutputDelta("a", [97]))
-        handles[2].push(OutputDelta("", [], finish_reason="stop"))
-        handles[1].push(OutputDelta("", [], error=RequestError(503, "worker_lost", "the worker was lost")))
+        handles[0].push(OutputDelta(text="a", token_ids=[97]))
+        handles[2].push(OutputDelta(text="", token_ids=[], finish_reason="stop"))
+        handles[1].push(OutputDelta(text="", token_ids=[],
+                                    error=RequestError(503, "worker_lost", "the worker was lost")))
 
     sent, [body] = run_fed(engine, COMPLETIONS, completion_body(n=3), feed)
     assert sent[0]["status"] == 503 and body["error"]["code"] == "worker_lost"
@@ -98,7 +99,7 @@ def test_best_of_asks_every_sample_for_its_logprobs_and_returns_the_likeliest() 
 
     def feed(handles: list[RequestHandle]) -> None:
         for h, (text, lp) in zip(handles, [("x", -3.0), ("y", -0.5), ("z", -1.0)]):
-            h.push(OutputDelta(text, [ord(text)], finish_reason="length",
+            h.push(OutputDelta(text=text, token_ids=[ord(text)], finish_reason="length",
                                logprobs=[TokenLogprobs(lp)]))
 
     _, [body] = run_fed(engine, COMPLETIONS, completion_body(n=2, best_of=3), feed)
@@ -115,9 +116,9 @@ def test_echo_sends_the_prompt_and_its_logprobs_before_the_output(stream: bool) 
 
     def feed(handles: list[RequestHandle]) -> None:
         scored = [TokenLogprobs(-float(k), [t], [-0.5]) for k, t in enumerate(prompt[1:], 1)]
-        handles[0].push(OutputDelta("!", [bang], logprobs=[TokenLogprobs(-0.25, [bang], [-0.25])],
+        handles[0].push(OutputDelta(text="!", token_ids=[bang], logprobs=[TokenLogprobs(-0.25, [bang], [-0.25])],
                                     prompt_logprobs=scored))
-        handles[0].push(OutputDelta("", [], finish_reason="length"))
+        handles[0].push(OutputDelta(text="", token_ids=[], finish_reason="length"))
 
     _, events = run_fed(engine, COMPLETIONS, completion_body(echo=True, logprobs=1, stream=stream), feed)
     assert engine.samples[0][0].prompt_logprobs == 1
@@ -131,7 +132,7 @@ def test_echo_sends_the_prompt_and_its_logprobs_before_the_output(stream: bool) 
     assert sum((lp["text_offset"] for lp in logprobs), []) == [0, 1, 2, 3, 4, 5]
     plain = StubEngine("idle")
     _, [body] = run_fed(plain, COMPLETIONS, completion_body(echo=True), lambda hs: hs[0].push(
-        OutputDelta("!", [bang], finish_reason="length")))
+        OutputDelta(text="!", token_ids=[bang], finish_reason="length")))
     assert body["choices"][0]["text"] == "hello!" and body["choices"][0]["logprobs"] is None
     assert plain.samples[0][0].prompt_logprobs is None  # nothing to score without logprobs
 
@@ -149,8 +150,8 @@ def test_auto_tool_choice_reads_the_calls_the_model_wrote(stream: bool) -> None:
 
     def feed(handles: list[RequestHandle]) -> None:
         for piece in pieces:
-            handles[0].push(OutputDelta(piece, [1]))
-        handles[0].push(OutputDelta("", [], finish_reason="stop"))
+            handles[0].push(OutputDelta(text=piece, token_ids=[1]))
+        handles[0].push(OutputDelta(text="", token_ids=[], finish_reason="stop"))
 
     _, events = run_fed(engine, CHAT, chat_body(tools=[WEATHER_TOOL], stream=stream), feed)
     assert engine.samples[0][0].grammar is None  # auto does not constrain the output

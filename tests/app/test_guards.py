@@ -106,12 +106,14 @@ def test_workers_check_owner_tags_and_scrub_unless_their_guards_are_off(tiny: Ch
         worker = workers.decode
         compute = workers.compute_of(worker)
         # pages 0 and 1 are A's; B's table names them
-        assert isinstance(compute.call(worker.execute, RunStep(1, [], grants=[PageGrant(A, [0, 1])])), StepDone)
-        out = compute.call(worker.runner.step, [SeqWork([5, 6, 7], 0, [0, 1], B, SamplingParams(temperature=0))])
+        assert isinstance(compute.call(worker.execute, RunStep(step_id=1, seqs=[], grants=[PageGrant(A, [0, 1])])),
+                          StepDone)
+        out = compute.call(worker.runner.step, [SeqWork(token_ids=[5, 6, 7], context_tokens=0, page_table=[0, 1],
+                                                        lease=B, sampling=SamplingParams(temperature=0))])
         assert (out.tokens[0] is None, len(out.violations)) == ((True, 1) if guards.owner_tags else (False, 0))
         # released pages are poisoned, or keep their bytes
         worker.pool.data[2].fill_(1.0)
-        compute.call(worker.execute, RunStep(2, [], released=[2]))
+        compute.call(worker.execute, RunStep(step_id=2, seqs=[], released=[2]))
         assert worker.pool.data[2].eq(POISON_VALUE if guards.scrub else 1.0).all()
     finally:
         workers.close()
@@ -165,7 +167,8 @@ async def test_a_transfer_seals_digests_and_carries_a_capability_unless_their_gu
                                     FRONT, guards=guards)
         try:
             assert paired.peer.info.record.digest == ("xxh3_64" if guards.digests else "none")
-            plan = StartTransfer(1, "r", 8, A, [0, 1], B, [5, 6])
+            plan = StartTransfer(key=1, request_id="r", num_tokens=8, src_lease=A, src_pages=[0, 1], dst_lease=B,
+                                 dst_pages=[5, 6])
             moved = await paired.link.move(plan, timeout_s=30)
             assert moved.ok, moved.reason
             assert torch.equal(decode.data[5:7], prefill.data[0:2])

@@ -80,8 +80,9 @@ def test_worker_exception_text_never_reaches_the_client(code: str, status: int, 
     engine = StubEngine("idle")
 
     async def fail(handle: RequestHandle) -> None:
-        handle.push(OutputDelta("partial", [5]))
-        handle.push(OutputDelta("", [], error=RequestError(status, code, f"the model step failed: {secret}")))
+        handle.push(OutputDelta(text="partial", token_ids=[5]))
+        handle.push(OutputDelta(text="", token_ids=[],
+                                error=RequestError(status, code, f"the model step failed: {secret}")))
 
     with caplog.at_level(logging.WARNING, logger="kvfence.app.http_api"):
         sent = drive(engine, CHAT, chat_body(stream=stream), fail)
@@ -101,7 +102,7 @@ def test_client_worded_server_errors_keep_their_message(code: str) -> None:
     error = RequestError(503, code, "waited 60 s for KV pages; retry shortly", retry_after_s=1)
 
     async def fail(handle: RequestHandle) -> None:
-        handle.push(OutputDelta("", [], error=error))
+        handle.push(OutputDelta(text="", token_ids=[], error=error))
 
     sent = drive(engine, COMPLETIONS, completion_body(), fail)
     assert sent[0]["status"] == 503
@@ -114,7 +115,7 @@ def test_a_stream_whose_client_stopped_reading_is_aborted_at_the_stall_timeout(p
 
     async def generate(handle: RequestHandle) -> None:
         for i in range(10_000):  # the decode loop carries on: push never blocks or raises
-            handle.push(OutputDelta("tok", [i]))
+            handle.push(OutputDelta(text="tok", token_ids=[i]))
             await anyio.lowlevel.checkpoint()
 
     sent = drive(engine, path, make(stream=True), generate, stall_timeout_s=0.2, send_blocks_after=2)
@@ -126,7 +127,7 @@ def test_a_whole_response_the_client_does_not_read_is_dropped_without_an_abort()
     engine = StubEngine("idle")
 
     async def finish(handle: RequestHandle) -> None:
-        handle.push(OutputDelta("x", [1], finish_reason="stop"))
+        handle.push(OutputDelta(text="x", token_ids=[1], finish_reason="stop"))
 
     sent = drive(engine, COMPLETIONS, completion_body(), finish, stall_timeout_s=0.2, send_blocks_after=0)
     assert sent == [] and engine.aborts == 0  # the request had ended; only its response was dropped
@@ -138,8 +139,8 @@ def test_waiting_for_tokens_is_not_a_stall() -> None:
     async def slowly(handle: RequestHandle) -> None:
         for i in range(3):
             await anyio.sleep(0.15)  # longer than the stall timeout, between tokens
-            handle.push(OutputDelta(str(i), [i]))
-        handle.push(OutputDelta("", [], finish_reason="length"))
+            handle.push(OutputDelta(text=str(i), token_ids=[i]))
+        handle.push(OutputDelta(text="", token_ids=[], finish_reason="length"))
 
     sent = drive(engine, COMPLETIONS, completion_body(stream=True), slowly, stall_timeout_s=0.1)
     assert engine.aborts == 0

@@ -22,7 +22,8 @@ SECRET = DeploymentSecret.generate()
 
 
 def reg(role: str, incarnation: str) -> Registration:
-    return Registration(role, incarnation, "127.0.0.1:9301", "cpu", 64, "tcp", "127.0.0.1:4000")
+    return Registration(role=role, incarnation=incarnation, control="127.0.0.1:9301", device="cpu", num_pages=64,
+                        transport="tcp", endpoint="127.0.0.1:4000")
 
 
 async def until(etcd: EtcdServer, want: set[str], timeout_s: float = 15) -> None:

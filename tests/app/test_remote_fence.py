@@ -89,7 +89,8 @@ def test_a_forged_registration_is_never_dialled(deployment: Deployment, referenc
     trap = socket.create_server(("127.0.0.1", 0))
     trap.settimeout(0.2)
     control = f"127.0.0.1:{trap.getsockname()[1]}"
-    fake = Registration("decode", "f" * 32, control, "cpu", 512, "tcp", control)
+    fake = Registration(role="decode", incarnation="f" * 32, control=control, device="cpu", num_pages=512,
+                        transport="tcp", endpoint=control)
     forged = {fake.key: msgspec.json.encode(fake),
               PREFIX + b"decode/" + b"e" * 32: signed_value(msgspec.structs.replace(fake, incarnation="e" * 32),
                                                          DeploymentSecret.generate())}

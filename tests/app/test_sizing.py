@@ -22,8 +22,8 @@ from kvfence.engine.model_config import ModelConfig
 
 FP32, BF16 = 4, 2
 # 2 layers x (K + V) x 2 KV heads x head_dim 8 = 64 elements per token.
-TINY = ModelConfig("llama", num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
-                   head_dim=8, vocab_size=100, max_context_tokens=64)
+TINY = ModelConfig(architecture="llama", num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                   num_kv_heads=2, head_dim=8, vocab_size=100, max_context_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +170,9 @@ def test_explicit_pages_win_over_memory(smol: ModelConfig) -> None:
 
 def test_plans_and_verdicts_reject_inconsistent_numbers() -> None:
     with pytest.raises(ValueError, match="pool_tokens 100 != 8 pages x 16 tokens"):
-        PoolPlan("prefill", 8, 16, 4, 100, 400)
+        PoolPlan(role="prefill", num_pages=8, page_size_tokens=16, bytes_per_token=4, pool_tokens=100, pool_bytes=400)
     with pytest.raises(ValueError, match="context must be > 0"):
-        SizingVerdict("prefill", 128, 4, 0)
+        SizingVerdict(role="prefill", pool_tokens=128, bytes_per_token=4, context_tokens=0)
     with pytest.raises(ValueError, match="element_size must be > 0"):
         plan_pools(ServeConfig(), TINY, 0)
 
@@ -198,7 +198,8 @@ def parse_table(text: str) -> dict[str, list[str]]:
 
 
 def test_render_table() -> None:
-    verdicts = [SizingVerdict("prefill", 128, 46_080, 8192), SizingVerdict("decode", 32_768, 46_080, 8192)]
+    verdicts = [SizingVerdict(role="prefill", pool_tokens=128, bytes_per_token=46_080, context_tokens=8192),
+                SizingVerdict(role="decode", pool_tokens=32_768, bytes_per_token=46_080, context_tokens=8192)]
     assert parse_table(render_table(verdicts)) == {
         "prefill": ["128", "46080", "8192", "0.0156", "undersized"],
         "decode": ["32768", "46080", "8192", "4.00", "ok"],

@@ -10,18 +10,20 @@ from kvfence.app.status import WorkerStatus, collect, render
 
 
 def test_health_joins_what_etcd_and_the_front_end_say() -> None:
-    assert WorkerStatus("d@h:1", "decode", registered=True, served=True).health == "serving"
-    assert WorkerStatus("d@h:1", "decode", registered=True, served=True, draining=True).health == "draining"
-    assert WorkerStatus("d@h:1", "decode", registered=True).health == "unpaired"
-    assert WorkerStatus("d@h:1", "decode", served=True).health == "unregistered"  # its lease expired
-    assert WorkerStatus("d@h:1", "decode", served=True, asked_etcd=False).health == "serving"  # etcd not asked
+    assert WorkerStatus(name="d@h:1", role="decode", registered=True, served=True).health == "serving"
+    assert WorkerStatus(name="d@h:1", role="decode", registered=True, served=True, draining=True).health == "draining"
+    assert WorkerStatus(name="d@h:1", role="decode", registered=True).health == "unpaired"
+    assert WorkerStatus(name="d@h:1", role="decode", served=True).health == "unregistered"  # its lease expired
+    # etcd not asked
+    assert WorkerStatus(name="d@h:1", role="decode", served=True, asked_etcd=False).health == "serving"
 
 
 def test_the_table_has_a_row_per_worker_and_every_page_state() -> None:
-    rows = [WorkerStatus("prefill@10.0.0.2:9301", "prefill", "ab" * 16, "cpu",
-                         {"total": 256, "free": 250, "in_use": 6, "quarantined": 0, "cached": 0},
+    rows = [WorkerStatus(name="prefill@10.0.0.2:9301", role="prefill", incarnation="ab" * 16, device="cpu",
+                         pages={"total": 256, "free": 250, "in_use": 6, "quarantined": 0, "cached": 0},
                          registered=True, served=True),
-            WorkerStatus("decode@10.0.0.3:9301", "decode", "cd" * 16, "cuda:0", {"total": 512}, registered=True)]
+            WorkerStatus(name="decode@10.0.0.3:9301", role="decode", incarnation="cd" * 16, device="cuda:0",
+                         pages={"total": 512}, registered=True)]
     lines = render(rows).splitlines()
     assert lines[0].split() == ["worker", "role", "incarnation", "device", "total", "free", "in_use",
                                 "quarantined", "cached", "health"]

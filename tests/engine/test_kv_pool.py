@@ -8,7 +8,8 @@ import torch
 from kvfence.engine.kv_pool import POISON_VALUE, KVPool, lease_tag, tag_lease
 from kvfence.engine.model_config import ModelConfig
 
-CONFIG = ModelConfig("llama", 2, 32, 64, 4, 2, 8, 100, 64)
+CONFIG = ModelConfig(architecture="llama", num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                     num_kv_heads=2, head_dim=8, vocab_size=100, max_context_tokens=64)
 
 
 def test_lease_tags_round_trip_all_128_bits() -> None:

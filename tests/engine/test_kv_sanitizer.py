@@ -25,14 +25,14 @@ GREEDY = SamplingParams(temperature=0)
 def test_reads_of_own_writes_pass_and_others_are_reported() -> None:
     s = KvSanitizer(num_pages=8, page_size_tokens=4)
     s.record_write(A, [3, 1], 0, 6)  # positions 0..5: page 3 slots 0..3, page 1 slots 0..1
-    assert s.check_reads([SeqWork([9], 6, [3, 1], A, GREEDY)]) == []
+    assert s.check_reads([SeqWork(token_ids=[9], context_tokens=6, page_table=[3, 1], lease=A, sampling=GREEDY)]) == []
     assert s.written_by(1, 1) == A and s.written_by(1, 2) == 0
     # one position further was never written
-    (v,) = s.check_reads([SeqWork([9], 7, [3, 1], A, GREEDY)])
+    (v,) = s.check_reads([SeqWork(token_ids=[9], context_tokens=7, page_table=[3, 1], lease=A, sampling=GREEDY)])
     assert (v.work_index, v.position, v.page, v.slot, v.lease, v.writer) == (0, 6, 1, 2, A, 0)
     # B overwrote one of A's slots: A's next read names B
     s.record_write(B, [3], 2, 1)
-    (v,) = s.check_reads([SeqWork([9], 6, [3, 1], A, GREEDY)])
+    (v,) = s.check_reads([SeqWork(token_ids=[9], context_tokens=6, page_table=[3, 1], lease=A, sampling=GREEDY)])
     assert (v.position, v.page, v.slot, v.writer) == (2, 3, 2, B)
 
 
@@ -40,7 +40,9 @@ def test_release_unwrites_every_slot_and_only_the_first_bad_slot_is_reported() -
     s = KvSanitizer(num_pages=4, page_size_tokens=4)
     s.record_write(A, [0, 2], 0, 8)
     s.forget([2])
-    works = [SeqWork([1], 8, [0, 2], A, GREEDY), SeqWork([1], 4, [0], A, GREEDY), SeqWork([1], 0, [3], B, GREEDY)]
+    works = [SeqWork(token_ids=[1], context_tokens=8, page_table=[0, 2], lease=A, sampling=GREEDY),
+             SeqWork(token_ids=[1], context_tokens=4, page_table=[0], lease=A, sampling=GREEDY),
+             SeqWork(token_ids=[1], context_tokens=0, page_table=[3], lease=B, sampling=GREEDY)]
     violations = s.check_reads(works)
     assert [(v.work_index, v.position, v.page, v.writer) for v in violations] == [(0, 4, 2, 0)]
 
@@ -58,11 +60,12 @@ def worker(tiny: Checkpoint) -> Worker:
 
 
 def seq(lease: int, tokens: list[int], context: int, new_pages: list[int]) -> SeqStep:
-    return SeqStep(lease, tokens, context, new_pages, SamplingSpec(temperature=0))
+    return SeqStep(lease=lease, token_ids=tokens, context_tokens=context, new_pages=new_pages,
+                   sampling=SamplingSpec(temperature=0))
 
 
 def run(w: Worker, step_id: int, seqs: list[SeqStep], **fields: object) -> StepDone:
-    reply = w.execute(RunStep(step_id, seqs, **fields))  # type: ignore[arg-type]
+    reply = w.execute(RunStep(step_id=step_id, seqs=seqs, **fields))  # type: ignore[arg-type]
     assert isinstance(reply, StepDone), reply
     return reply
 
@@ -83,12 +86,12 @@ def test_a_landed_transfer_counts_as_the_leases_writes_and_only_up_to_its_tokens
     w = worker(tiny)
     grant = PageGrant(A, [2, 5])
     # The transfer landed 5 tokens; decoding at context 5 reads exactly those.
-    ok = run(w, 1, [seq(A, [4], 5, [2, 5])], grants=[grant], landed=[Landing(A, [2, 5], 5)])
+    ok = run(w, 1, [seq(A, [4], 5, [2, 5])], grants=[grant], landed=[Landing(lease=A, pages=[2, 5], num_tokens=5)])
     assert ok.tokens[0] is not None and ok.violations == []
     # Another sequence whose transfer claimed 3 tokens but decodes from 5 is refused, alone.
     grant_b = PageGrant(B, [3, 4])
     reply = run(w, 2, [seq(A, [7], 6, []), seq(B, [4], 5, [3, 4])], grants=[grant_b],
-                landed=[Landing(B, [3, 4], 3)])
+                landed=[Landing(lease=B, pages=[3, 4], num_tokens=3)])
     assert reply.tokens[0] is not None and reply.tokens[1] is None
     (v,) = reply.violations
     assert (v.check, v.seq_index, v.page) == ("sanitizer", 1, 3) and "token 3" in v.detail

@@ -26,10 +26,12 @@ def test_foreign_page_is_never_read_and_others_are_unaffected(tiny: Checkpoint) 
     r.pool.assign([0, 1], A)
     r.pool.assign([2, 3], B)
     prompt_a, prompt_b = [5, 6, 7, 8, 9], [10, 11, 12]
-    alone = r.step([SeqWork(prompt_a, 0, [0, 1], A, GREEDY)]).tokens[0]
+    alone = r.step([SeqWork(token_ids=prompt_a, context_tokens=0, page_table=[0, 1], lease=A,
+                            sampling=GREEDY)]).tokens[0]
     before = r.pool.data[1].clone()
     # B's table names A's page 1: B is taken out before anything is read or written.
-    out = r.step([SeqWork(prompt_a, 0, [0, 1], A, GREEDY), SeqWork(prompt_b, 0, [1], B, GREEDY)])
+    out = r.step([SeqWork(token_ids=prompt_a, context_tokens=0, page_table=[0, 1], lease=A, sampling=GREEDY),
+                  SeqWork(token_ids=prompt_b, context_tokens=0, page_table=[1], lease=B, sampling=GREEDY)])
     assert out.tokens == [alone, None]
     (v,) = out.violations
     assert (v.work_index, v.page, v.lease, v.owner) == (1, 1, B, A)
@@ -40,18 +42,22 @@ def test_free_pages_and_new_token_pages_are_checked(tiny: Checkpoint) -> None:
     r = runner(tiny)
     r.pool.assign([0], A)
     # Context of 4 tokens fills page 0; the new token lands in page 5, which nobody owns.
-    (v,) = check_owner_tags(r.pool, [SeqWork([3], 4, [0, 5], A, GREEDY)])
+    (v,) = check_owner_tags(r.pool, [SeqWork(token_ids=[3], context_tokens=4, page_table=[0, 5], lease=A,
+                                             sampling=GREEDY)])
     assert (v.page, v.owner) == (5, 0)
-    assert check_owner_tags(r.pool, [SeqWork([3], 3, [0, 5], A, GREEDY)]) == []  # page 5 not touched yet
+    assert check_owner_tags(r.pool, [SeqWork(token_ids=[3], context_tokens=3, page_table=[0, 5], lease=A,
+                                             sampling=GREEDY)]) == []  # page 5 not touched yet
     r.pool.clear([0])
-    (v,) = check_owner_tags(r.pool, [SeqWork([3], 3, [0], A, GREEDY)])
+    (v,) = check_owner_tags(r.pool, [SeqWork(token_ids=[3], context_tokens=3, page_table=[0], lease=A,
+                                             sampling=GREEDY)])
     assert v.owner == 0
 
 
 def test_only_the_first_bad_page_per_sequence_is_reported(tiny: Checkpoint) -> None:
     r = runner(tiny)
     r.pool.assign([0, 1, 2], B)
-    violations = check_owner_tags(r.pool, [SeqWork([1] * 10, 0, [0, 1, 2], A, GREEDY)])
+    violations = check_owner_tags(r.pool, [SeqWork(token_ids=[1] * 10, context_tokens=0, page_table=[0, 1, 2],
+                                                   lease=A, sampling=GREEDY)])
     assert [(v.page, v.owner) for v in violations] == [(0, B)]
 
 
@@ -62,11 +68,14 @@ def test_stale_read_after_release_is_visible_only_when_poisoned(tiny: Checkpoint
     r = runner(tiny)
     r.pool.assign([0, 1], A)
     prompt = [5, 6, 7, 8, 9, 10]
-    first = r.step([SeqWork(prompt, 0, [0, 1], A, GREEDY)]).tokens[0]
-    want = r.step([SeqWork([first], 6, [0, 1], A, GREEDY)], return_logits=True)
+    first = r.step([SeqWork(token_ids=prompt, context_tokens=0, page_table=[0, 1], lease=A,
+                            sampling=GREEDY)]).tokens[0]
+    want = r.step([SeqWork(token_ids=[first], context_tokens=6, page_table=[0, 1], lease=A,
+                           sampling=GREEDY)], return_logits=True)
     r.pool.clear([0, 1], scrub)
     r.pool.assign([0, 1], B)  # handed to B, which never prefilled them (a placeholder "transfer")
-    stale = r.step([SeqWork([first], 6, [0, 1], B, GREEDY)], return_logits=True)
+    stale = r.step([SeqWork(token_ids=[first], context_tokens=6, page_table=[0, 1], lease=B,
+                            sampling=GREEDY)], return_logits=True)
     assert want.logits is not None and stale.logits is not None
     if scrub == "off":
         torch.testing.assert_close(stale.logits, want.logits)  # B reads A's KV: the leak

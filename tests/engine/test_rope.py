@@ -8,8 +8,8 @@ import torch
 from kvfence.engine.model_config import ModelConfig
 from kvfence.engine.rope import Rope, inverse_frequencies
 
-CONFIG = ModelConfig("llama", num_layers=1, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
-                     head_dim=64, vocab_size=100, max_context_tokens=4096)
+CONFIG = ModelConfig(architecture="llama", num_layers=1, hidden_size=128, intermediate_size=256, num_heads=4,
+                     num_kv_heads=2, head_dim=64, vocab_size=100, max_context_tokens=4096)
 
 
 def rotate_half(x: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -33,13 +33,14 @@ def worker(tiny: Checkpoint) -> Worker:
 
 
 def run(w: Worker, step_id: int, seqs: list[SeqStep], **fields: object) -> StepDone:
-    reply = w.execute(RunStep(step_id, seqs, **fields))  # type: ignore[arg-type]
+    reply = w.execute(RunStep(step_id=step_id, seqs=seqs, **fields))  # type: ignore[arg-type]
     assert isinstance(reply, StepDone), reply
     return reply
 
 
 def seq(lease: int, tokens: list[int], context: int, new_pages: list[int], seal: int) -> SeqStep:
-    return SeqStep(lease, tokens, context, new_pages, SamplingSpec(temperature=0), seal=seal)
+    return SeqStep(lease=lease, token_ids=tokens, context_tokens=context, new_pages=new_pages,
+                   sampling=SamplingSpec(temperature=0), seal=seal)
 
 
 def prefill_and_seal(w: Worker) -> int:
@@ -79,10 +80,12 @@ def test_a_write_into_a_sealed_page_is_a_violation(tiny: Checkpoint) -> None:
     r.pool.assign([0, 1], SEAL_T)
     r.pool.assign([2], B)
     # context 6 ends inside page 1: the step would write position 6 into a sealed page
-    (v,) = check_owner_tags(r.pool, [SeqWork([9], 6, [0, 1, 2], B, GREEDY, seal=SEAL_T)])
+    (v,) = check_owner_tags(r.pool, [SeqWork(token_ids=[9], context_tokens=6, page_table=[0, 1, 2], lease=B,
+                                             sampling=GREEDY, seal=SEAL_T)])
     assert (v.page, v.owner) == (1, SEAL_T)
     # context 8: pages 0-1 are only read, position 8 lands in B's own page 2
-    assert check_owner_tags(r.pool, [SeqWork([9], 8, [0, 1, 2], B, GREEDY, seal=SEAL_T)]) == []
+    assert check_owner_tags(r.pool, [SeqWork(token_ids=[9], context_tokens=8, page_table=[0, 1, 2], lease=B,
+                                             sampling=GREEDY, seal=SEAL_T)]) == []
 
 
 def test_a_seal_applies_only_where_the_sealing_lease_owns_the_page(tiny: Checkpoint) -> None:
@@ -98,14 +101,17 @@ def test_the_sanitizer_keeps_only_slots_the_sealing_lease_wrote(tiny: Checkpoint
     """A landing of 6 tokens into pages 4-5 covers page 5 only in part: sealing both hands page 4's
     slots to the seal and leaves page 5's unwritten half unreadable."""
     w = worker(tiny)
-    run(w, 1, [], grants=[PageGrant(A, [4, 5])], landed=[Landing(A, [4, 5], 6)], sealed=[Seal(A, SEAL_T, [4, 5])])
+    run(w, 1, [], grants=[PageGrant(A, [4, 5])], landed=[Landing(lease=A, pages=[4, 5], num_tokens=6)],
+        sealed=[Seal(A, SEAL_T, [4, 5])])
     s = w.sanitizer
     assert s is not None
     assert [s.written_by(4, i) for i in range(4)] == [SEAL_T] * 4
     assert [s.written_by(5, i) for i in range(4)] == [SEAL_T, SEAL_T, 0, 0]
-    ok = SeqWork([1], 6, [4, 5], B, GREEDY, seal=SEAL_T)
+    ok = SeqWork(token_ids=[1], context_tokens=6, page_table=[4, 5], lease=B, sampling=GREEDY, seal=SEAL_T)
     assert s.check_reads([ok]) == []
-    (v,) = s.check_reads([SeqWork([1], 7, [4, 5], B, GREEDY, seal=SEAL_T)])
+    (v,) = s.check_reads([SeqWork(token_ids=[1], context_tokens=7, page_table=[4, 5], lease=B, sampling=GREEDY,
+                                  seal=SEAL_T)])
     assert (v.position, v.writer) == (6, 0)
-    (v,) = s.check_reads([SeqWork([1], 6, [4, 5], B, GREEDY, seal=SEAL_U)])  # another tenant's seal
+    (v,) = s.check_reads([SeqWork(token_ids=[1], context_tokens=6, page_table=[4, 5], lease=B, sampling=GREEDY,
+                                  seal=SEAL_U)])  # another tenant's seal
     assert (v.position, v.writer) == (0, SEAL_T)

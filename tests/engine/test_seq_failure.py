@@ -27,14 +27,16 @@ def worker(tiny: Checkpoint) -> Worker:
 
 def seq(lease: int, broken: bool = False) -> SeqStep:
     if not broken:
-        return SeqStep(lease, PROMPTS[lease], 0, PAGES[lease], SamplingSpec(temperature=0))
+        return SeqStep(lease=lease, token_ids=PROMPTS[lease], context_tokens=0, new_pages=PAGES[lease],
+                       sampling=SamplingSpec(temperature=0))
     # a penalized first sampling step whose history does not reach its position: it cannot be built
-    return SeqStep(lease, PROMPTS[lease], 0, PAGES[lease], SamplingSpec(temperature=0, presence_penalty=1.0),
-                   history=[1, 2], prompt_tokens=len(PROMPTS[lease]))
+    return SeqStep(lease=lease, token_ids=PROMPTS[lease], context_tokens=0, new_pages=PAGES[lease],
+                   sampling=SamplingSpec(temperature=0, presence_penalty=1.0), history=[1, 2],
+                   prompt_tokens=len(PROMPTS[lease]))
 
 
 def run(w: Worker, seqs: list[SeqStep]) -> StepDone:
-    reply = w.execute(RunStep(1, seqs, grants=[PageGrant(s.lease, s.new_pages) for s in seqs]))
+    reply = w.execute(RunStep(step_id=1, seqs=seqs, grants=[PageGrant(s.lease, s.new_pages) for s in seqs]))
     assert isinstance(reply, StepDone), reply
     return reply
 
@@ -59,14 +61,17 @@ def test_a_seq_whose_grammar_is_compiling_is_left_out_and_the_others_run(tiny: C
     get the tokens they get alone, and the same seq sent again runs once the grammar is ready."""
     solo = {lease: run(worker(tiny), [seq(lease)]).tokens[0] for lease in (A, C)}
     w = worker(tiny)
-    bound = SeqStep(B, PROMPTS[B], 0, PAGES[B], SamplingSpec(temperature=0, grammar="key-b"), history=[],
-                    prompt_tokens=len(PROMPTS[B]), grammar=GRAMMAR)
+    bound = SeqStep(lease=B, token_ids=PROMPTS[B], context_tokens=0, new_pages=PAGES[B],
+                    sampling=SamplingSpec(temperature=0, grammar="key-b"), history=[], prompt_tokens=len(PROMPTS[B]),
+                    grammar=GRAMMAR)
     reply = run(w, [seq(A), bound, seq(C)])
     assert reply.tokens == [solo[A], None, solo[C]] and reply.deferred == [1] and reply.failed == []
     assert w.page_tables.extend(B, []) == PAGES[B]  # its pages were taken in all the same
     for attempt in range(1200):  # each waits up to 50 ms for the compile: a minute at most
-        again = w.execute(RunStep(2 + attempt, [SeqStep(B, PROMPTS[B], 0, [], bound.sampling, history=[],
-                                                        prompt_tokens=len(PROMPTS[B]), grammar=GRAMMAR)]))
+        again = w.execute(RunStep(step_id=2 + attempt,
+                                  seqs=[SeqStep(lease=B, token_ids=PROMPTS[B], context_tokens=0, new_pages=[],
+                                                sampling=bound.sampling, history=[],
+                                                prompt_tokens=len(PROMPTS[B]), grammar=GRAMMAR)]))
         assert isinstance(again, StepDone)
         if not again.deferred:
             break

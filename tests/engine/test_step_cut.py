@@ -32,13 +32,15 @@ def runner(tiny: Checkpoint, cpu_kernels: bool) -> ModelRunner:
 def works(context: int = 0) -> list[SeqWork]:
     """A's chunk of 7 tokens after `context` tokens of its own, B's whole 5-token prompt."""
     a = [5 + i for i in range(context + 7)]
-    return [SeqWork(a[context:], context, [0, 1, 2, 3], A, SamplingParams(temperature=0)),
-            SeqWork([40, 41, 42, 43, 44], 0, [4, 5], B, SamplingParams(temperature=0))]
+    return [SeqWork(token_ids=a[context:], context_tokens=context, page_table=[0, 1, 2, 3], lease=A,
+                    sampling=SamplingParams(temperature=0)),
+            SeqWork(token_ids=[40, 41, 42, 43, 44], context_tokens=0, page_table=[4, 5], lease=B,
+                    sampling=SamplingParams(temperature=0))]
 
 
 def prefill_a(r: ModelRunner, context: int) -> None:
     a = [5 + i for i in range(context)]
-    r.step([SeqWork(a, 0, [0, 1, 2, 3], A, None)])
+    r.step([SeqWork(token_ids=a, context_tokens=0, page_table=[0, 1, 2, 3], lease=A, sampling=None)])
 
 
 def tag(r: ModelRunner) -> None:
@@ -86,8 +88,10 @@ def worker(tiny: Checkpoint) -> Worker:
 
 
 def seqs() -> list[SeqStep]:
-    return [SeqStep(A, [5, 6, 7, 8, 9, 10, 11], 0, [0, 1], SamplingSpec(temperature=0)),
-            SeqStep(B, [40, 41, 42, 43, 44], 0, [4, 5], SamplingSpec(temperature=0))]
+    return [SeqStep(lease=A, token_ids=[5, 6, 7, 8, 9, 10, 11], context_tokens=0, new_pages=[0, 1],
+                    sampling=SamplingSpec(temperature=0)),
+            SeqStep(lease=B, token_ids=[40, 41, 42, 43, 44], context_tokens=0, new_pages=[4, 5],
+                    sampling=SamplingSpec(temperature=0))]
 
 
 def grants() -> list[PageGrant]:
@@ -95,37 +99,40 @@ def grants() -> list[PageGrant]:
 
 
 def test_a_worker_asked_to_cut_a_cuttable_step_defers_every_seq_and_runs_them_again(tiny: Checkpoint) -> None:
-    want = worker(tiny).execute(RunStep(1, seqs(), grants=grants()))
+    want = worker(tiny).execute(RunStep(step_id=1, seqs=seqs(), grants=grants()))
     assert isinstance(want, StepDone) and None not in want.tokens
     w = worker(tiny)
     w.ask_cut(1)  # asked before it started: it stops before the first layer
-    cut = w.execute(RunStep(1, seqs(), grants=grants(), cuttable=True))
+    cut = w.execute(RunStep(step_id=1, seqs=seqs(), grants=grants(), cuttable=True))
     assert isinstance(cut, StepDone) and cut.cut and cut.deferred == [0, 1] and cut.tokens == [None, None]
     assert w.page_tables.extend(A, []) == [0, 1]  # its tag changes and page tables were applied all the same
-    again = w.execute(RunStep(2, [SeqStep(s.lease, s.token_ids, 0, [], s.sampling) for s in seqs()],
-                              cuttable=True))
+    again = w.execute(RunStep(step_id=2,
+                              seqs=[SeqStep(lease=s.lease, token_ids=s.token_ids, context_tokens=0, new_pages=[],
+                                            sampling=s.sampling) for s in seqs()], cuttable=True))
     assert isinstance(again, StepDone) and not again.cut and again.tokens == want.tokens
 
 
 def test_a_step_not_sent_cuttable_runs_whole_when_asked(tiny: Checkpoint) -> None:
-    want = worker(tiny).execute(RunStep(1, seqs(), grants=grants()))
+    want = worker(tiny).execute(RunStep(step_id=1, seqs=seqs(), grants=grants()))
     w = worker(tiny)
     w.ask_cut(1)
-    reply = w.execute(RunStep(1, seqs(), grants=grants()))
+    reply = w.execute(RunStep(step_id=1, seqs=seqs(), grants=grants()))
     assert isinstance(reply, StepDone) and not reply.cut and reply.deferred == [] and reply.tokens == want.tokens
 
 
 def test_a_cut_for_another_step_does_not_touch_this_one(tiny: Checkpoint) -> None:
     w = worker(tiny)
     w.ask_cut(7)
-    reply = w.execute(RunStep(8, seqs(), grants=grants(), cuttable=True))
+    reply = w.execute(RunStep(step_id=8, seqs=seqs(), grants=grants(), cuttable=True))
     assert isinstance(reply, StepDone) and not reply.cut and None not in reply.tokens
 
 
 def test_a_seq_refused_by_the_owner_check_is_reported_not_deferred(tiny: Checkpoint) -> None:
     w = worker(tiny)
     w.ask_cut(1)
-    stolen = [seqs()[0], SeqStep(B, [40, 41, 42, 43, 44], 0, [0, 1], SamplingSpec(temperature=0))]  # A's pages
-    reply = w.execute(RunStep(1, stolen, grants=[PageGrant(A, [0, 1]), PageGrant(B, [])], cuttable=True))
+    stolen = [seqs()[0], SeqStep(lease=B, token_ids=[40, 41, 42, 43, 44], context_tokens=0, new_pages=[0, 1],
+                                 sampling=SamplingSpec(temperature=0))]  # A's pages
+    reply = w.execute(RunStep(step_id=1, seqs=stolen, grants=[PageGrant(A, [0, 1]), PageGrant(B, [])],
+                              cuttable=True))
     assert isinstance(reply, StepDone) and reply.cut
     assert [v.seq_index for v in reply.violations] == [1] and reply.deferred == [0]

@@ -27,7 +27,7 @@ CONTEXT = 512
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-A, B = Tenant("a"), Tenant("b")
+A, B = Tenant(name="a"), Tenant(name="b")
 SYSTEM = "You are a helpful assistant. Answer every question briefly and exactly. " * 3
 
 

@@ -19,7 +19,7 @@ from kvfence.scheduler.core.lifecycle import State
 from kvfence.scheduler.core.tenants import Tenant
 
 PAGE = 4
-FLOOD, OTHER = Tenant("flood"), Tenant("other")
+FLOOD, OTHER = Tenant(name="flood"), Tenant(name="other")
 
 
 def config(**kw: object) -> SchedulerConfig:

@@ -22,14 +22,14 @@ async def read_all(h: RequestHandle) -> list[OutputDelta]:
 def test_a_reader_that_never_reads_costs_one_pending_entry_and_loses_nothing() -> None:
     h = handle()
     for i in range(100_000):  # far more than any buffer: push must neither raise nor block
-        h.push(OutputDelta(f"<{i}>", [i]))
+        h.push(OutputDelta(text=f"<{i}>", token_ids=[i]))
     assert h.pending_tokens == 100_000
-    h.push(OutputDelta("end", [7], finish_reason="length"))
+    h.push(OutputDelta(text="end", token_ids=[7], finish_reason="length"))
     deltas = anyio.run(read_all, h)
     assert len(deltas) == 2  # everything new in one delta, then the terminal one
     assert deltas[0].text == "".join(f"<{i}>" for i in range(100_000))
     assert deltas[0].token_ids == list(range(100_000)) and deltas[0].finish_reason is None
-    assert deltas[1] == OutputDelta("end", [7], finish_reason="length")
+    assert deltas[1] == OutputDelta(text="end", token_ids=[7], finish_reason="length")
 
 
 def test_a_reader_that_keeps_up_gets_every_delta_as_pushed() -> None:
@@ -44,9 +44,9 @@ def test_a_reader_that_keeps_up_gets_every_delta_as_pushed() -> None:
             tg.start_soon(reader)
             for i in range(5):
                 await anyio.sleep(0.01)  # the reader is waiting each time
-                h.push(OutputDelta(str(i), [i]))
+                h.push(OutputDelta(text=str(i), token_ids=[i]))
             await anyio.sleep(0.01)
-            h.push(OutputDelta("", [], finish_reason="stop"))
+            h.push(OutputDelta(text="", token_ids=[], finish_reason="stop"))
         return got
 
     got = anyio.run(main)
@@ -54,27 +54,27 @@ def test_a_reader_that_keeps_up_gets_every_delta_as_pushed() -> None:
     assert got[-1].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("terminal", [OutputDelta("", [], finish_reason="stop"),
-                                      OutputDelta("", [], error=RequestError(500, "worker_error", "x"))])
+@pytest.mark.parametrize("terminal", [OutputDelta(text="", token_ids=[], finish_reason="stop"),
+                                      OutputDelta(text="", token_ids=[], error=RequestError(500, "worker_error", "x"))])
 def test_nothing_after_the_terminal_delta(terminal: OutputDelta) -> None:
     h = handle()
-    h.push(OutputDelta("a", [1]))
+    h.push(OutputDelta(text="a", token_ids=[1]))
     h.push(terminal)
-    h.push(OutputDelta("late", [9]))
-    h.push(OutputDelta("", [], finish_reason="length"))
-    assert anyio.run(read_all, h) == [OutputDelta("a", [1]), terminal]
+    h.push(OutputDelta(text="late", token_ids=[9]))
+    h.push(OutputDelta(text="", token_ids=[], finish_reason="length"))
+    assert anyio.run(read_all, h) == [OutputDelta(text="a", token_ids=[1]), terminal]
 
 
 def test_output_after_the_reader_left_is_dropped() -> None:
     async def main() -> RequestHandle:
         h = handle()
-        h.push(OutputDelta("a", [1]))
+        h.push(OutputDelta(text="a", token_ids=[1]))
         deltas = h.deltas()
         assert (await deltas.__anext__()).text == "a"
         await deltas.aclose()  # the HTTP response went away
         for i in range(1000):
-            h.push(OutputDelta("b", [i]))
-        h.push(OutputDelta("", [], finish_reason="stop"))
+            h.push(OutputDelta(text="b", token_ids=[i]))
+        h.push(OutputDelta(text="", token_ids=[], finish_reason="stop"))
         return h
 
     assert anyio.run(main).pending_tokens == 0

@@ -62,7 +62,7 @@ def test_every_lease_carries_its_tenant_until_its_pages_are_back() -> None:
 
 
 def test_the_wire_form_carries_128_bit_leases_exactly() -> None:
-    step = RunStep(1, [], grants=[PageGrant(A, [1], "acme")], ended=[A, B])
+    step = RunStep(step_id=1, seqs=[], grants=[PageGrant(A, [1], "acme")], ended=[A, B])
     assert decode_request(encode(step)) == step
 
 

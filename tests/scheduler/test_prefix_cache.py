@@ -25,7 +25,7 @@ from kvfence.scheduler.core.tenants import Tenant
 from test_scheduler import offline_greedy
 
 PAGE = 4
-T, U = Tenant("t"), Tenant("u")
+T, U = Tenant(name="t"), Tenant(name="u")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = list(range(20, 50))  # 30 tokens: 7 full pages reusable, the 8th holds the last two
 
@@ -126,8 +126,9 @@ async def test_a_plan_that_does_not_add_up_fails_that_request_closed(
 
     def short(self: SchedulerCore, req) -> StartTransfer:  # type: ignore[no-untyped-def]
         plan = real(self, req)
-        return StartTransfer(plan.key, plan.request_id, plan.num_tokens, plan.src_lease, plan.src_pages,
-                             plan.dst_lease, plan.dst_pages[1:], plan.first_token)
+        return StartTransfer(key=plan.key, request_id=plan.request_id, num_tokens=plan.num_tokens,
+                             src_lease=plan.src_lease, src_pages=plan.src_pages, dst_lease=plan.dst_lease,
+                             dst_pages=plan.dst_pages[1:], first_token=plan.first_token)
 
     monkeypatch.setattr(SchedulerCore, "_transfer_plan", short)
     assert await run(s.submit(PROMPT[:20], GREEDY, T)) == ([], 0, "kv_transfer_failed")

@@ -173,16 +173,20 @@ async def test_a_cut_crosses_the_control_connection_and_the_step_comes_back_defe
     again, the seq gets its token; a step not named runs whole."""
     secret = DeploymentSecret.generate()
     lease, pages = (5 << 80) | 3, [0, 1, 2]
-    seq = SeqStep(lease, PROMPTS[0], 0, pages, SamplingSpec(temperature=0))
+    seq = SeqStep(lease=lease, token_ids=PROMPTS[0], context_tokens=0, new_pages=pages,
+                  sampling=SamplingSpec(temperature=0))
     async with anyio.create_task_group() as tg:
         hosted = await host_pair(tg, tiny, secret)
         prefill = await RemoteWorker.connect(tg, hosted[0].address, secret, front_key=FRONT)
         await prefill.cut(1)
-        cut = await prefill.call(RunStep(1, [seq], grants=[PageGrant(lease, pages, tenant="t")], cuttable=True))
+        cut = await prefill.call(RunStep(step_id=1, seqs=[seq], grants=[PageGrant(lease, pages, tenant="t")],
+                                         cuttable=True))
         assert isinstance(cut, StepDone) and cut.cut and cut.deferred == [0] and cut.tokens == [None]
-        again = await prefill.call(RunStep(2, [SeqStep(lease, PROMPTS[0], 0, [], seq.sampling)], cuttable=True))
+        again = await prefill.call(RunStep(step_id=2, seqs=[SeqStep(lease=lease, token_ids=PROMPTS[0], context_tokens=0,
+                                                                    new_pages=[], sampling=seq.sampling)],
+                                           cuttable=True))
         assert isinstance(again, StepDone) and not again.cut and again.tokens == [offline(tiny)[0][0]]
-        done = await prefill.call(RunStep(3, [], released=pages, ended=[lease]))
+        done = await prefill.call(RunStep(step_id=3, seqs=[], released=pages, ended=[lease]))
         assert isinstance(done, StepDone) and hosted[0].tags() == [0] * PAGES
         prefill.close()
         tg.cancel_scope.cancel()

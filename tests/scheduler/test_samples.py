@@ -21,7 +21,7 @@ from kvfence.scheduler.core.tenants import Tenant
 from test_prefix_cache import cache_config, moved_pages, run
 from test_scheduler import offline_greedy
 
-T = Tenant("t")
+T = Tenant(name="t")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
 PROMPT = list(range(20, 50))  # 30 tokens: 7 full pages shareable, the 8th holds the last two
@@ -87,7 +87,7 @@ async def test_samples_are_admitted_or_refused_together(serving: Serving) -> Non
     with pytest.raises(AdmissionRejected) as info:  # more than the queue ever holds: a 400 naming n
         s.submit_samples(PROMPT, samples(GREEDY, 7), T)
     assert (info.value.status, info.value.param) == (400, "n")
-    capped = Tenant("capped", max_queued=2)
+    capped = Tenant(name="capped", max_queued=2)
     with pytest.raises(AdmissionRejected) as info:  # the tenant may queue 2: all 3 are refused
         s.submit_samples(PROMPT, samples(GREEDY, 3), capped)
     assert info.value.status == 429

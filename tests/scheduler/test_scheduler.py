@@ -280,7 +280,8 @@ async def test_sanitizer_fails_a_decode_that_reads_past_what_its_transfer_landed
     short = [True]
 
     def landing(lease: int, pages: list[int], num_tokens: int, first_token: int = 0) -> Landing:
-        return Landing(lease, pages, num_tokens - 1 if short[0] else num_tokens, first_token)
+        return Landing(lease=lease, pages=pages, num_tokens=num_tokens - 1 if short[0] else num_tokens,
+                       first_token=first_token)
 
     monkeypatch.setattr(lease_table, "Landing", landing)
     ps = prompts(2)

@@ -21,7 +21,7 @@ from kvfence.scheduler.core.tenants import Tenant
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
-ACME = Tenant("acme")
+ACME = Tenant(name="acme")
 OTHER_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28, 29]  # no prefix in common with PROMPT: nothing cached
 
 

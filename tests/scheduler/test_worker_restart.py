@@ -112,11 +112,12 @@ def test_a_step_for_the_old_incarnation_is_refused_unapplied(tiny: Checkpoint) -
     old = w.incarnation
     w.restart()
     lease = 5 << 64 | 3
-    step = RunStep(1, [SeqStep(lease, [1, 2, 3], 0, [0], SamplingSpec(temperature=0))],
+    step = RunStep(step_id=1, seqs=[SeqStep(lease=lease, token_ids=[1, 2, 3], context_tokens=0, new_pages=[0],
+                                            sampling=SamplingSpec(temperature=0))],
                    grants=[PageGrant(lease, [0])], incarnation=old)
     before = w.pool.data.clone()
     reply = w.execute(step)
     assert isinstance(reply, StepFailed) and reply.stale_incarnation and reply.incarnation == w.incarnation
     assert w.pool.owner(0) == 0 and torch.equal(w.pool.data, before)  # nothing applied, nothing written
-    ok = w.execute(RunStep(2, step.seqs, step.grants, incarnation=w.incarnation))
+    ok = w.execute(RunStep(step_id=2, seqs=step.seqs, grants=step.grants, incarnation=w.incarnation))
     assert isinstance(ok, StepDone) and ok.tokens[0] is not None and ok.incarnation == w.incarnation

@@ -25,14 +25,15 @@ CLEAN_SRC, CLEAN_DST = [6, 7], [20, 21]  # the clean one after it
 # -- the parser ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("drop", (FaultSpec("drop"),)),
-    ("delay=0.5", (FaultSpec("delay", seconds=0.5),)),
-    ("corrupt@1.0", (FaultSpec("corrupt", probability=1.0),)),
-    ("drop#3", (FaultSpec("drop", every=3),)),
-    (" truncate@0.25 , delay=0#2,late_write", (FaultSpec("truncate", probability=0.25),
-                                                FaultSpec("delay", seconds=0.0, every=2),
-                                                FaultSpec("late_write"))),
-    ("duplicate,fail_post,vanish", (FaultSpec("duplicate"), FaultSpec("fail_post"), FaultSpec("vanish"))),
+    ("drop", (FaultSpec(kind="drop"),)),
+    ("delay=0.5", (FaultSpec(kind="delay", seconds=0.5),)),
+    ("corrupt@1.0", (FaultSpec(kind="corrupt", probability=1.0),)),
+    ("drop#3", (FaultSpec(kind="drop", every=3),)),
+    (" truncate@0.25 , delay=0#2,late_write", (FaultSpec(kind="truncate", probability=0.25),
+                                                FaultSpec(kind="delay", seconds=0.0, every=2),
+                                                FaultSpec(kind="late_write"))),
+    ("duplicate,fail_post,vanish", (FaultSpec(kind="duplicate"), FaultSpec(kind="fail_post"),
+                                    FaultSpec(kind="vanish"))),
     ("", ()),
     ("none", ()),
 ])

@@ -123,7 +123,7 @@ def test_bad_ranges_and_peers_are_refused_before_anything_starts(pair: Pair) -> 
             pair.tx.post_write(pair.peer, ranges, b"")
     with pytest.raises(KeyError):
         pair.tx.post_write("127.0.0.1:1", [(0, 0, 8)], b"")
-    rdma = MooncakeDescriptor("127.0.0.1:1", "rdma", 4096, 4096)
+    rdma = MooncakeDescriptor(session_id="127.0.0.1:1", protocol="rdma", base_address=4096, nbytes=4096)
     with pytest.raises(ValueError, match="rdma"):
         pair.tx.connect(msgspec.msgpack.encode(rdma))
     with pytest.raises(KeyError):

@@ -54,7 +54,8 @@ def stranger_pushes(address: str, kind: str, manifest, dst_pages: list[int], pag
         answer = recv_exactly(s, PART_BYTES + MAC_BYTES)
         s.sendall(STRANGER.proof("connector", kind, mine, answer[:PART_BYTES]))
         try:
-            s.sendall(hello_frame(kind) + encode_frame(PushHeader(manifest, dst_pages, page_nbytes))
+            s.sendall(hello_frame(kind) + encode_frame(PushHeader(manifest=manifest, dst_pages=dst_pages,
+                                                                  page_nbytes=page_nbytes))
                       + encode_frame(Page(0)) + b"\xab" * page_nbytes)
         except (BrokenPipeError, ConnectionResetError):
             pass  # closed on us: that is the point

@@ -101,7 +101,7 @@ def fake_listener(reply_info: EndpointInfo) -> tuple[socket.socket, Callable[[],
         with conn:
             sealed = raw_listen_authenticated(conn)
             sealed.recv_record()  # the Hello
-            sealed.sendall(encode_frame(HelloReply(True, "", reply_info)))
+            sealed.sendall(encode_frame(HelloReply(accepted=True, reason="", info=reply_info)))
             conn.recv(1)  # until the client hangs up
 
     return listener, serve_one

@@ -114,7 +114,8 @@ class ReceiverState:
         tid = manifest.transfer_id
 
         def rejected(reason: str) -> Admission:
-            return Admission(tid, tuple(dst_pages), manifest.num_pages, tuple(manifest.digests), reason)
+            return Admission(transfer_id=tid, dst_pages=tuple(dst_pages), num_pages=manifest.num_pages,
+                             digests=tuple(manifest.digests), reject_reason=reason)
 
         armed = self._expected.get(tid)
         verified = armed is not None and tuple(dst_pages) == armed[1] and _covered(manifest) == _covered(armed[0])
@@ -145,7 +146,8 @@ class ReceiverState:
             self._reserved.difference_update(want_dst)
             self._record(TransferResult(tid, False, reason))
             return rejected(reason)
-        adm = Admission(tid, want_dst, want.num_pages, tuple(manifest.digests), "", live=True)
+        adm = Admission(transfer_id=tid, dst_pages=want_dst, num_pages=want.num_pages, digests=tuple(manifest.digests),
+                        reject_reason="", live=True)
         self._receiving[tid] = (adm, want)
         return adm
 

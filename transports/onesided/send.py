@@ -76,7 +76,7 @@ class SenderHalf:
             if out.cancelled:
                 link.send(Cancel(tid))  # the receiver drops the expectation
             return out.result
-        link.send(PushHeader(manifest, dst, pool_bytes.page_nbytes, digests))
+        link.send(PushHeader(manifest=manifest, dst_pages=dst, page_nbytes=pool_bytes.page_nbytes, digests=digests))
         try:
             await wait_any(s.go, out.done)
             if s.go.is_set() and out.result is None and await self._write(s, pool_bytes, src, dst, tid) \

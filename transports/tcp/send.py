@@ -94,7 +94,8 @@ class SenderConnection:
                     return
                 source = SourcePages(pool_bytes, src_pages)  # a staged pool's buffer: before anything is sent
                 streaming = True
-                await ch.send_frame(PushHeader(manifest, list(dst_pages), pool_bytes.page_nbytes))
+                await ch.send_frame(PushHeader(manifest=manifest, dst_pages=list(dst_pages),
+                                               page_nbytes=pool_bytes.page_nbytes))
                 digests = []
                 for index in range(len(src_pages)):
                     if out.cancelled:

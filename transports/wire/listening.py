@@ -139,7 +139,8 @@ class ListeningEndpoint(Endpoint):
                 if not isinstance(hello, Hello):
                     raise ProtocolError(f"expected hello, got {type(hello).__name__}")
                 problem = pairing_problem(self.info, hello.info)
-                reply = HelloReply(problem is None, problem or "", self.info, b"" if problem else plane)
+                reply = HelloReply(accepted=problem is None, reason=problem or "", info=self.info,
+                                   plane=b"" if problem else plane)
                 async with channel.send_lock:
                     await channel.send_frame(reply)
         except TimeoutError:

@@ -222,7 +222,7 @@ class World:
             async def until_quiet() -> bool:  # never awaited: `quiet` is the event that says so
                 return True
 
-            self.core.transfer_finished(key, MoveResult(False, "a worker was lost", quiet=False,
+            self.core.transfer_finished(key, MoveResult(ok=False, reason="a worker was lost", quiet=False,
                                                         source_quiet=not sender_lost, until_quiet=until_quiet),
                                         self.now)
 
@@ -235,7 +235,7 @@ class World:
         self._write(t, why="lands")
         receiver.finish(adm, adm.num_pages, [], [])
         self.landed.add(t.start.request_id)
-        self.core.transfer_finished(key, MoveResult(True, nbytes=adm.num_pages), self.now)
+        self.core.transfer_finished(key, MoveResult(ok=True, nbytes=adm.num_pages), self.now)
 
     def fail(self, key: int, loud: bool) -> None:
         self.budget.transfer_faults -= 1
@@ -243,14 +243,14 @@ class World:
         self.receivers[t.start.receiver].cancel(t.manifest.transfer_id)
         if not loud:
             del self.transfers[key]
-            self.core.transfer_finished(key, MoveResult(False, "injected"), self.now)
+            self.core.transfer_finished(key, MoveResult(ok=False, reason="injected"), self.now)
             return
         t.loud = True
 
         async def until_quiet() -> bool:  # never awaited: `quiet` is the event that says so
             return True
 
-        self.core.transfer_finished(key, MoveResult(False, "timed out", quiet=False, source_quiet=False,
+        self.core.transfer_finished(key, MoveResult(ok=False, reason="timed out", quiet=False, source_quiet=False,
                                                     until_quiet=until_quiet), self.now)
 
     def late_write(self, key: int) -> None:
@@ -298,8 +298,8 @@ class World:
                 if (error := action.plan_error(self.config.page_size_tokens)) is not None:
                     raise Broken(error)
                 num_pages = len(action.dst_pages)
-                manifest = TransferManifest(f"t{key}", id_hex(action.dst_lease), f"n{key}",
-                                            action.num_tokens - action.first_token, num_pages)
+                manifest = TransferManifest(transfer_id=f"t{key}", lease=id_hex(action.dst_lease), nonce=f"n{key}",
+                                            num_tokens=action.num_tokens - action.first_token, num_pages=num_pages)
                 self.receivers[action.receiver].expect(manifest, action.dst_pages[:num_pages])
                 self.transfers[action.key] = Transfer(action, manifest)
             elif isinstance(action, WatchQuiet):

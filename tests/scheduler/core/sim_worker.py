@@ -42,7 +42,7 @@ class SimWorker:
         that seq is left out untouched, its page table extended (its grammar is compiling); `cut`:
         the step (sent cuttable) stops between layers, every seq deferred, no write counted."""
         if msg.incarnation and msg.incarnation != self.inc():
-            return StepFailed(msg.step_id, "restarted", self.inc(), stale_incarnation=True)
+            return StepFailed(step_id=msg.step_id, message="restarted", incarnation=self.inc(), stale_incarnation=True)
         for page in msg.released:
             self.tags.pop(page, None)
             for slot in range(self.page_size):
@@ -69,11 +69,11 @@ class SimWorker:
         for seq in msg.seqs:
             self.page_tables.setdefault(seq.lease, []).extend(seq.new_pages)
         if fail:
-            return StepFailed(msg.step_id, "injected", self.inc())
+            return StepFailed(step_id=msg.step_id, message="injected", incarnation=self.inc())
         if cut:
             if not msg.cuttable:
                 raise Broken(f"{self.name} worker: step {msg.step_id} cut, but not sent cuttable")
-            return StepDone(msg.step_id, [None] * len(msg.seqs), incarnation=self.inc(),
+            return StepDone(step_id=msg.step_id, tokens=[None] * len(msg.seqs), incarnation=self.inc(),
                             deferred=list(range(len(msg.seqs))), cut=True)
         tokens: list[int | None] = []
         for i, seq in enumerate(msg.seqs):
@@ -98,11 +98,12 @@ class SimWorker:
             self.write(lease, table, seq.context_tokens, end)
             tokens.append(TOKEN if seq.sampling is not None else None)
         if defer_seq is not None:
-            return StepDone(msg.step_id, tokens, incarnation=self.inc(), deferred=[defer_seq])
+            return StepDone(step_id=msg.step_id, tokens=tokens, incarnation=self.inc(), deferred=[defer_seq])
         if fail_seq is None:
-            return StepDone(msg.step_id, tokens, incarnation=self.inc())
+            return StepDone(step_id=msg.step_id, tokens=tokens, incarnation=self.inc())
         tokens[fail_seq] = None
-        return StepDone(msg.step_id, tokens, incarnation=self.inc(), failed=[SeqFailure(fail_seq, "injected")])
+        return StepDone(step_id=msg.step_id, tokens=tokens, incarnation=self.inc(),
+                        failed=[SeqFailure(fail_seq, "injected")])
 
     def write(self, lease: int, pages: list[int], start: int, end: int) -> None:
         for pos in range(start, end):

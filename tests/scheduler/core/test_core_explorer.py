@@ -149,8 +149,9 @@ def test_it_finds_a_transfer_plan_that_ignores_the_decode_side_hit(tiny: Checkpo
 
     def whole_prompt(self: SchedulerCore, req):  # type: ignore[no-untyped-def]
         end = self.config.pages_for(req.prefill_target)
-        return StartTransfer(req.transfer, req.request_id, req.prefill_target, req.prefill_lease,
-                             req.prefill_pages[:end], req.decode_lease, req.decode_pages[:end])
+        return StartTransfer(key=req.transfer, request_id=req.request_id, num_tokens=req.prefill_target,
+                             src_lease=req.prefill_lease, src_pages=req.prefill_pages[:end], dst_lease=req.decode_lease,
+                             dst_pages=req.decode_pages[:end])
 
     monkeypatch.setattr(SchedulerCore, "_transfer_plan", whole_prompt)
     with pytest.raises(Violation) as found:

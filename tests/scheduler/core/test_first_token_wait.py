@@ -31,7 +31,7 @@ from kvfence.scheduler.core.request import Request
 from kvfence.scheduler.core.tenants import Tenant
 
 CHUNK, RUNNING = 8, 8
-FLOOD, QUIET = Tenant("flood"), Tenant("quiet")
+FLOOD, QUIET = Tenant(name="flood"), Tenant(name="quiet")
 LONG = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 

@@ -19,7 +19,8 @@ EVERY_POINT = list(itertools.product(State, Hold, Exit))
 def fired(point: tuple[State, Hold, Exit], event: Event) -> Lifecycle | None:
     """The lifecycle after `event` at `point`, or None where it raised IllegalTransition."""
     state, hold, exit_ = point
-    life = Lifecycle(state, hold, exit_, ERROR if exit_ is Exit.END else None, 7 if hold is Hold.TRANSFER else 0)
+    life = Lifecycle(state=state, hold=hold, exit=exit_, error=ERROR if exit_ is Exit.END else None,
+                     transfer=7 if hold is Hold.TRANSFER else 0)
     try:
         life.fire(event, "request r", error=ERROR, transfer=9)
     except IllegalTransition:
@@ -74,7 +75,7 @@ def test_a_held_request_changes_state_only_by_ending() -> None:
 
 
 def test_the_first_end_asked_for_wins() -> None:
-    life = Lifecycle(State.DECODING, Hold.STEP)
+    life = Lifecycle(state=State.DECODING, hold=Hold.STEP)
     life.fire(Event.ASK_END, "r", error=ERROR)
     life.fire(Event.ASK_END, "r", error=RequestError(499, "client_closed", "gone"))
     assert life.exit is Exit.END and life.error is ERROR
@@ -84,7 +85,7 @@ def test_the_first_end_asked_for_wins() -> None:
 
 
 def test_a_transfer_carries_its_key_while_it_runs() -> None:
-    life = Lifecycle(State.TRANSFERRING)
+    life = Lifecycle(state=State.TRANSFERRING)
     with pytest.raises(ValueError):
         life.fire(Event.TRANSFER_STARTED, "r")  # a transfer needs its key
     life.fire(Event.TRANSFER_STARTED, "r", transfer=3)

@@ -17,7 +17,8 @@ class _Output:  # the lifecycle never touches text
 
 
 def make_request() -> Request:
-    return Request("r1", [1, 2], SamplingParams(), 4, _Output(), 0.0, tokens=[1, 2])  # type: ignore[arg-type]
+    return Request(request_id="r1", prompt=[1, 2], params=SamplingParams(), max_tokens=4,
+                   output=_Output(), created_s=0.0, tokens=[1, 2])  # type: ignore[arg-type]
 
 
 def sent(*deltas: OutputDelta | None) -> list[OutputDelta]:
@@ -34,7 +35,7 @@ def test_legal_path_and_illegal_jumps() -> None:
     with pytest.raises(IllegalTransition):
         req.fire(Event.RESERVE)  # no going back
     req.fire(Event.DECODE)
-    finished = req.finish(OutputDelta("", [], finish_reason="length"))
+    finished = req.finish(OutputDelta(text="", token_ids=[], finish_reason="length"))
     assert finished is not None
     assert req.state is State.FINISHED
     assert [d.finish_reason for d in sent(finished)] == ["length"]
@@ -45,7 +46,7 @@ def test_abort_then_late_finish_stays_aborted() -> None:
     req.fire(Event.RESERVE)
     aborted = req.fail(RequestError(499, "client_closed", "gone"))
     assert aborted is not None
-    late_finish = req.finish(OutputDelta("", [], finish_reason="length"))
+    late_finish = req.finish(OutputDelta(text="", token_ids=[], finish_reason="length"))
     assert late_finish is None  # a late "finished" is ignored
     late_fail = req.fail(RequestError(500, "worker_error", "late"))
     assert late_fail is None
@@ -58,7 +59,7 @@ def test_finish_then_late_abort_stays_finished() -> None:
     req = make_request()
     req.fire(Event.RESERVE)
     req.fire(Event.DECODE)
-    finished = req.finish(OutputDelta("tail", [7], finish_reason="stop"))
+    finished = req.finish(OutputDelta(text="tail", token_ids=[7], finish_reason="stop"))
     late_abort = req.fail(RequestError(499, "client_closed", "gone"))
     assert finished is not None and late_abort is None
     assert req.state is State.FINISHED

@@ -27,7 +27,7 @@ def core(tiny: Checkpoint) -> SchedulerCore:
 
 def test_a_tenant_at_its_running_limit_waits_and_others_pass_it(tiny: Checkpoint) -> None:
     c = core(tiny)
-    a, b = Tenant("a", max_running=1, max_queued=1), Tenant("b")
+    a, b = Tenant(name="a", max_running=1, max_queued=1), Tenant(name="b")
     a1 = c.submit([1, 2, 3], PARAMS, 0.0, tenant=a)
     a2 = c.submit([4, 5, 6], PARAMS, 0.0, tenant=a)
     b1 = c.submit([7, 8, 9], PARAMS, 0.0, tenant=b)
@@ -52,7 +52,7 @@ def test_tokens_per_minute_refuse_with_the_wait_until_the_bucket_refills(tiny: C
     request overshoots what its tenant may spend unseen), and given back what it did not use when
     it ends."""
     c = core(tiny)
-    t = Tenant("t", tokens_per_minute=20, max_running=1)
+    t = Tenant(name="t", tokens_per_minute=20, max_running=1)
     c.submit(list(range(1, 9)), PARAMS, 0.0, tenant=t)  # 8 + 4 of 20
     waiting = c.submit(list(range(1, 9)), PARAMS, 0.0, tenant=t)  # 8 left: admitted, into debt (-4)
     assert waiting.state is State.WAITING
@@ -64,12 +64,12 @@ def test_tokens_per_minute_refuse_with_the_wait_until_the_bucket_refills(tiny: C
     with pytest.raises(AdmissionRejected):
         c.submit([1], PARAMS, 14.0, tenant=t)
     c.submit([1], PARAMS, 15.0, tenant=t)
-    c.submit([1], PARAMS, 15.0, tenant=Tenant("other", tokens_per_minute=10))  # buckets are per tenant
+    c.submit([1], PARAMS, 15.0, tenant=Tenant(name="other", tokens_per_minute=10))  # buckets are per tenant
 
 
 def test_one_request_cannot_overshoot_its_tenants_rate_unseen(tiny: Checkpoint) -> None:
     c = core(tiny)
-    t = Tenant("t", tokens_per_minute=60)
+    t = Tenant(name="t", tokens_per_minute=60)
     c.submit([1, 2], SamplingParams(temperature=0, max_tokens=59), 0.0, tenant=t)  # may use more than a minute
     with pytest.raises(AdmissionRejected) as refused:
         c.submit([1], PARAMS, 0.0, tenant=t)  # refused now, not after the first has spent it
@@ -85,7 +85,7 @@ def test_a_bucket_never_holds_more_than_a_minute() -> None:
 
 def test_the_readiness_canary_is_never_limited(tiny: Checkpoint) -> None:
     c = core(tiny)
-    t = Tenant("t", max_running=1, max_queued=1, tokens_per_minute=1)
+    t = Tenant(name="t", max_running=1, max_queued=1, tokens_per_minute=1)
     c.submit([1, 2], PARAMS, 0.0, tenant=t)
     c.submit([1, 2], PARAMS, 0.0, tenant=t, priority=True)  # over every limit of t: still admitted
 
@@ -93,11 +93,11 @@ def test_the_readiness_canary_is_never_limited(tiny: Checkpoint) -> None:
 @pytest.mark.parametrize("bad", ["", "a b", "x/y", "ü" * 0 + "a;b"])
 def test_a_tenant_name_is_plain(bad: str) -> None:
     with pytest.raises(ValueError, match="tenant name"):
-        Tenant(bad)
+        Tenant(name=bad)
 
 
 def test_limits_are_positive_integers() -> None:
     with pytest.raises(ValueError, match="max_running"):
-        Tenant("a", max_running=0)
+        Tenant(name="a", max_running=0)
     with pytest.raises(ValueError, match="tokens_per_minute"):
-        Tenant("a", tokens_per_minute=1.5)  # type: ignore[arg-type]
+        Tenant(name="a", tokens_per_minute=1.5)  # type: ignore[arg-type]

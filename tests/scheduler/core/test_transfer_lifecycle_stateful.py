@@ -78,7 +78,8 @@ class TransferLifecycle(RuleBasedStateMachine):
         pages = self.ledger.reserve(lease, n)
         if pages is None:  # did not fit: the bundle gets a None, which every rule ignores
             return None
-        manifest = TransferManifest(secrets.token_hex(16), f"{lease:032x}", secrets.token_hex(16), n * 16 - 1, n)
+        manifest = TransferManifest(transfer_id=secrets.token_hex(16), lease=f"{lease:032x}",
+                                    nonce=secrets.token_hex(16), num_tokens=n * 16 - 1, num_pages=n)
         t = Transfer(lease, pages, manifest)
         self.by_lease[lease] = t
         return t

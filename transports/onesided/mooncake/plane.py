@@ -190,8 +190,8 @@ class MooncakePlane(DataPlane):
                         self.protocol)
         self._engine, self._memory = engine, memory
         self.session_id = f"{self.hostname}:{engine.get_rpc_port()}"
-        return msgspec.msgpack.encode(MooncakeDescriptor(self.session_id, self.protocol,
-                                                         memory.data_ptr(), memory.nbytes))
+        return msgspec.msgpack.encode(MooncakeDescriptor(session_id=self.session_id, protocol=self.protocol,
+                                                         base_address=memory.data_ptr(), nbytes=memory.nbytes))
 
     def expose(self, ranges: list[tuple[int, int]]) -> object:
         """Over tcp: register each `(offset, nbytes)` of the pool (contiguous ones as one) until

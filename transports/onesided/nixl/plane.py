@@ -192,8 +192,10 @@ class NixlPlane(DataPlane):
             raise TransportUnavailable(f"NIXL could not register {memory.nbytes} bytes on {memory.device}: {e}") from e
         on_host = memory.device.type == "cpu"
         self._agent, self._memory = agent, memory
-        self._region = NixlDescriptor(self.agent_name, agent.get_agent_metadata(), memory.data_ptr(), memory.nbytes,
-                                      0 if on_host else memory.get_device(), "DRAM" if on_host else "VRAM")
+        self._region = NixlDescriptor(agent=self.agent_name, metadata=agent.get_agent_metadata(),
+                                      base_address=memory.data_ptr(), nbytes=memory.nbytes,
+                                      device_id=0 if on_host else memory.get_device(),
+                                      mem_type="DRAM" if on_host else "VRAM")
         return msgspec.msgpack.encode(self._region)
 
     def connect(self, descriptor: bytes) -> str:
