@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvfence.app.environment import kvfence_home
 
@@ -24,6 +24,7 @@ _GENERATE_SETTINGS = ("model", "dtype", "weights", "page_size_tokens", "attentio
 def _build_parser() -> argparse.ArgumentParser:
     """Every settings flag comes from its declaration (app/config.py), with default None so the
     config file and the environment still apply."""
+    from kvfence.app.command_options import declared_root
     from kvfence.app.config import ServeConfig
     from kvfence.app.settings import add_flags
 
@@ -32,20 +33,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sources = ("Every setting is also a KVFENCE_<NAME> variable and a key of the --config TOML file; "
                "`kvfence config-reference` lists them all.")
 
-    gen = sub.add_parser("generate", help="generate from one prompt, without a server",
-                         epilog="Its settings are also KVFENCE_<NAME> variables, as for `kvfence serve`.")
-    add_flags(gen, ServeConfig, only=_GENERATE_SETTINGS)
-    gen.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    gen = sub.add_parser("generate", help="generate from one prompt, without a server", epilog=sources)
     gen.add_argument("prompt", help="prompt text")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--chat", action="store_true", help="wrap PROMPT as one user message in the chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object with ids and text")
+    gen.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
+    add_flags(gen, ServeConfig, only=_GENERATE_SETTINGS)
+    add_flags(gen, declared_root("generate"))
 
     for name, help in (("serve", "serve the OpenAI-compatible HTTP API"),
                        ("check", "check the KV pool sizes against the context, without loading weights")):
@@ -56,18 +48,13 @@ def _build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one prefill or decode worker in its own process, for a front end "
                                            "started with --discovery", epilog=sources)
     worker.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
-    worker.add_argument("--role", required=True, choices=("prefill", "decode"), help="the pool this worker holds")
-    worker.add_argument("--device", default="auto", help="auto, cpu or cuda:N (one worker process per GPU)")
-    worker.add_argument("--control", default="127.0.0.1:0", help="HOST:PORT its scheduler connects to "
-                                                                   "(authenticated with the deployment secret)")
-    worker.add_argument("--advertise", default=None, help="HOST:PORT front ends reach --control at, as registered "
-                                                          "in etcd (default: --control)")
+    add_flags(worker, declared_root("worker"))
     add_flags(worker, ServeConfig)
 
     front = sub.add_parser("front-key", help="make the front end's signing key and its public half: front ends "
                                              "serve with --front-key-file, workers with --front-public-key-file")
-    front.add_argument("--key", type=Path, default=Path("front.key"), help="where the private key goes (mode 600)")
-    front.add_argument("--public", type=Path, default=Path("front.pub"), help="where the public key goes")
+    front.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
+    add_flags(front, declared_root("front-key"))
 
     sub.add_parser("config-reference", help="print every setting (TOML key, flag, variable, default) as markdown")
     key = sub.add_parser("api-key", help="print a fresh API key for a tenant and the --api-keys entry that holds "
@@ -77,28 +64,13 @@ def _build_parser() -> argparse.ArgumentParser:
     probe = sub.add_parser("probe", help="probe any OpenAI-compatible endpoint for cross-tenant leaks (canaries, "
                                          "over-long prompts, transfer fields, prefix-cache timing, error envelope)")
     probe.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8000")
-    probe.add_argument("--key", default=None, help="API key of tenant A (the one that plants canaries); also "
-                                                   "KVFENCE_PROBE_KEY")
-    probe.add_argument("--other-key", default=None, help="API key of tenant B (the one that must never see A's); "
-                                                         "also KVFENCE_PROBE_OTHER_KEY. Without it B is A")
-    probe.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
-    probe.add_argument("--context", type=int, default=None, help="advertised context in tokens (default: "
-                                                                  "max_model_len of /v1/models, else 2048)")
-    probe.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
-    probe.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
-    probe.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    probe.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
+    add_flags(probe, declared_root("probe"))
 
     status = sub.add_parser("status", help="list a deployment's workers: role, incarnation, device, pool pages and "
                                            "health (from etcd and a front end's /metrics)")
-    status.add_argument("--discovery", default=None, help="etcd://HOST:PORT the workers register in")
-    status.add_argument("--front", default=None, help="a front end's base URL, e.g. http://127.0.0.1:8000 (its "
-                                                      "/metrics has each worker's pool)")
-    status.add_argument("--admin-key", default=None, help="the front end's admin key, when it serves with "
-                                                          "--api-keys (also KVFENCE_ADMIN_KEY)")
-    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.add_argument("--transport-secret-file", default=None,
-                        help="the deployment secret: list only registrations signed with it (without it, etcd's "
-                             "registrations are shown unverified)")
+    status.add_argument("--config", type=Path, default=None, help="TOML file with these settings")
+    add_flags(status, declared_root("status"))
 
     fetch = sub.add_parser("fetch", help="fetch a known model into the cache and print its path")
     fetch.add_argument("model", nargs="?", default=None)
@@ -119,20 +91,21 @@ def _generate(args: argparse.Namespace) -> int:
     from kvfence.engine.runner import ModelRunner
     from kvfence.engine.sampling import SamplingParams
 
-    config = load_config(vars(args), os.environ, None)
-    device = pick_device(args.device)
+    config = load_config(vars(args), os.environ, args.config)
+    opts = _options("generate", args)
+    device = pick_device(opts.device)
     dtype = pick_dtype(config.workers.dtype, device)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed,
+                            max_tokens=opts.max_tokens, stop=opts.stop, ignore_eos=opts.ignore_eos)
     checkpoint = load_model_spec(config.model, kvfence_home(), keep_blocks=config.workers.weights == "native")
     tok = checkpoint.tokenizer
-    if args.chat:
+    if opts.chat:
         text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}],
                            bos_token=tok.special_token_text(tok.bos_token_id))
         prompt_ids = tok.encode(text, add_bos=False)
     else:
         prompt_ids = tok.encode(args.prompt)
-    num_tokens = len(prompt_ids) + args.max_tokens
+    num_tokens = len(prompt_ids) + opts.max_tokens
     page_size_tokens = config.pools.page_size_tokens
     num_pages = -(-num_tokens // page_size_tokens)
     model = LlamaModel(checkpoint, dtype, device, attention_backend=config.workers.attention_backend)
@@ -141,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = OfflineEngine(ModelRunner(model, pool), tok, chunk_tokens=config.scheduler.chunk_tokens_for(device.type))
     with torch.inference_mode():
         out = engine.generate([prompt_ids], [params])[0]
-    if args.json:
+    if opts.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "generated_token_ids": out.generated_token_ids,
                           "text": out.text, "finish_reason": out.finish_reason}))
     else:
@@ -216,16 +189,19 @@ def _worker(args: argparse.Namespace) -> int:
     config = load_config(vars(args), os.environ, args.config)
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_worker_settings(config, args.role)  # reads the secret and the front end's key: a bad file fails now
-    split_address(args.control)
+    opts = _options("worker", args)
+    if opts.role is None:
+        raise ValueError("--role is needed: prefill or decode (or KVFENCE_WORKER_ROLE, or role in [worker])")
+    check_worker_settings(config, opts.role)  # reads the secret and the front end's key: a bad file fails now
+    split_address(opts.control)
     path = resolve_model(config.model, kvfence_home())
     model = _read_model_config(path)  # an undersized pool fails before any weight is read
     resolve_context(config, model, plan_pools(config, model, pick_dtype(config.workers.dtype,
-                                                                        pick_device(args.device)).itemsize))
+                                                                        pick_device(opts.device)).itemsize))
     checkpoint = load_checkpoint(path, cache_dir=checkpoint_cache(kvfence_home()),
                                  keep_blocks=config.workers.weights == "native")
     name = config.served_model_name or served_name(config.model)
-    return anyio.run(run_worker, config, checkpoint, name, args.role, args.device, args.control, args.advertise,
+    return anyio.run(run_worker, config, checkpoint, name, opts.role, opts.device, opts.control, opts.advertise,
                      intra_op_threads)
 
 
@@ -313,23 +289,21 @@ def _probe(args: argparse.Namespace) -> int:
     """Exit 0 when every check passed (or was skipped), 1 on any leak or failed check, 2 when the
     server could not be probed at all."""
     import json
-    import os
 
     import httpx
 
     from kvfence.app.probe import Prober, ok, report, table
 
-    prober = Prober(args.url, args.key or os.environ.get("KVFENCE_PROBE_KEY"),
-                    args.other_key or os.environ.get("KVFENCE_PROBE_OTHER_KEY"), args.model,
-                    context=args.context, timeout_s=args.timeout)
+    opts = _options("probe", args)
+    prober = Prober(args.url, opts.key, opts.other_key, opts.model, context=opts.context, timeout_s=opts.timeout_s)
     try:
-        checks = prober.run(progress=not args.no_progress)
+        checks = prober.run(progress=opts.progress)
     except httpx.HTTPError as e:
         print(f"kvfence probe: cannot probe {args.url}: {e}", file=sys.stderr)
         return 2
     finally:
         prober.close()
-    print(json.dumps(report(args.url, checks), indent=1) if args.json else table(checks))
+    print(json.dumps(report(args.url, checks), indent=1) if opts.json else table(checks))
     return 0 if ok(checks) else 1
 
 
@@ -341,27 +315,35 @@ def _config_reference() -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    import os
-
     from kvfence.app.status import status
-
     from kvfence.transports.core.secret import DeploymentSecret
 
-    secret_file = args.transport_secret_file or os.environ.get("KVFENCE_TRANSPORT_SECRET_FILE")
-    secret = DeploymentSecret.from_file(secret_file) if secret_file else None
-    return status(args.discovery, args.front, args.admin_key or os.environ.get("KVFENCE_ADMIN_KEY"), args.json,
-                  secret)
+    opts = _options("status", args)
+    secret = DeploymentSecret.from_file(opts.transport_secret_file) if opts.transport_secret_file else None
+    return status(opts.discovery, opts.front, opts.admin_key, opts.json, secret)
 
 
 def _front_key(args: argparse.Namespace) -> int:
     """Write a fresh key pair; refuses to overwrite either file."""
     from kvfence.transports.core.front_key import FrontKey
 
+    opts = _options("front-key", args)
     key = FrontKey.generate()
-    key.write(args.key, args.public)
-    print(f"front end key {args.key} (for --front-key-file, front ends only) and its public half {args.public} "
+    key.write(opts.key, opts.public)
+    print(f"front end key {opts.key} (for --front-key-file, front ends only) and its public half {opts.public} "
           f"(for --front-public-key-file, every worker); fingerprint {key.public.fingerprint}")
     return 0
+
+
+def _options(command: str, args: argparse.Namespace) -> Any:
+    """`command`'s options (app/command_options.py) from its flags, the environment and its table
+    of the --config file."""
+    import os
+
+    from kvfence.app.command_options import load_options
+    from kvfence.app.config import read_config_file
+
+    return load_options(command, vars(args), os.environ, read_config_file(args.config), args.config)
 
 
 # The commands that run the model: the CPU kernels they use build and switch as the environment says.

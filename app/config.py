@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvfence.app import settings
+from kvfence.app.command_options import TABLES as COMMAND_TABLES
+from kvfence.app.command_options import options_reference
 from kvfence.app.settings import Settings, section, setting
 from kvfence.engine.attention_backend import BACKEND_NAMES
 from kvfence.engine.kv_pool import SCRUB_MODES
@@ -245,19 +247,27 @@ class ServeConfig(Settings):
     canary: CanaryConfig = section(CanaryConfig)
 
 
+def read_config_file(config_file: Path | None) -> dict[str, Any]:
+    """The parsed TOML of `--config` ({} without one); ValueError naming the file."""
+    if config_file is None:
+        return {}
+    try:
+        return tomllib.loads(config_file.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"--config {config_file}: {e}") from e
+
+
 def load_config(flags: Mapping[str, Any], environ: Mapping[str, str], config_file: Path | None) -> ServeConfig:
     """Merge the sources (`flags` by dest, e.g. {"max_running": 8}; None: not given). ValueError,
-    naming the file, the variable or the flag, for anything that is not a setting or its value."""
-    table: dict[str, Any] = {}
-    if config_file is not None:
-        try:
-            table = tomllib.loads(config_file.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"--config {config_file}: {e}") from e
+    naming the file, the variable or the flag, for anything that is not a setting or its value.
+    The commands' own tables (app/command_options.py) are theirs, not this config's."""
+    table = {k: v for k, v in read_config_file(config_file).items() if k not in COMMAND_TABLES}
     config: ServeConfig = settings.load(ServeConfig, flags, environ, table, source=f"--config {config_file}")
     return config
 
 
 def config_reference() -> str:
-    """The markdown table of every setting that README.md carries."""
-    return settings.reference(ServeConfig)
+    """The markdown tables of every setting that README.md carries: `serve`'s (and `check`'s), then
+    each other command's options."""
+    return (settings.reference(ServeConfig) + "\nThe other commands' options, each command's in its own table of "
+            "the --config file:\n\n" + options_reference())

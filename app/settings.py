@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,7 +29,8 @@ from typing import Any, ClassVar
 
 _SETTING, _SECTION = "kvfence.setting", "kvfence.section"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+          tuple: "a list of strings"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +74,16 @@ class Declared:
 
     path: tuple[str, ...]  # field names from the root config, e.g. ("server", "port")
     dest: str  # the flat name: argparse dest, `load`'s flag keys, the variable's suffix
-    kind: type  # str, int, float or bool
+    kind: type  # str, int, float, bool, or tuple (of strings)
     optional: bool  # None is a value (meaning "derived", see the help)
     default: Any
     setting: Setting
+    flag_by_field: bool = False  # its class's `flags_by_field`
 
     @property
     def flag(self) -> str:
-        return self.setting.flag or "--" + self.dest.removesuffix("_s").replace("_", "-")
+        name = self.path[-1] if self.flag_by_field else self.dest
+        return self.setting.flag or "--" + name.removesuffix("_s").replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -99,6 +103,16 @@ class Declared:
             if text.strip().lower() in _FALSE:
                 return False
             raise ValueError(f"{text!r} is not true or false")
+        if self.kind is tuple:  # a JSON array of strings, or one string
+            if not text.lstrip().startswith("["):
+                return (text,)
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{text!r} is not a JSON array of strings ({e})") from None
+            if not isinstance(items, list):
+                raise ValueError(f"{text!r} is not a JSON array of strings")
+            return tuple(items)
         return self.kind(text)
 
     def normalized(self, value: Any) -> Any:
@@ -139,6 +153,10 @@ class Declared:
     def _typed(self, value: Any) -> Any:
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if self.kind is tuple and isinstance(value, list | tuple):
+            if not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{self.flag} must be {_KINDS[tuple]}, got {value!r}")
+            return tuple(value)
         if not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool)):
             raise ValueError(f"{self.flag} must be {_KINDS[self.kind]}, got {value!r}")
         return value
@@ -153,9 +171,12 @@ def alternatives(choices: Sequence[str]) -> str:
 class Settings:
     """Base of a frozen dataclass of declared settings: constructing one validates every setting
     field (and stores the converted value). A subclass with checks across fields extends
-    `__post_init__` and calls this one first. `dest_prefix` starts the dests of its fields."""
+    `__post_init__` and calls this one first. `dest_prefix` starts the dests of its fields (so
+    their variables); with `flags_by_field` their flags are named by the field alone (a
+    command's own options: `kvfence probe --key`, variable KVFENCE_PROBE_KEY)."""
 
     dest_prefix: ClassVar[str] = ""
+    flags_by_field: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for decl in _own(type(self), ()):
@@ -171,7 +192,11 @@ def _kind(hint: Any) -> tuple[Any, bool]:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) != 1:
             raise TypeError(f"a setting holds one type (or None), not {hint}")
-        return args[0], True
+        return _kind(args[0])[0], True
+    if typing.get_origin(hint) is tuple:
+        if typing.get_args(hint) != (str, ...):
+            raise TypeError(f"a list setting holds strings (tuple[str, ...]), not {hint}")
+        return tuple, False
     return hint, False
 
 
@@ -184,10 +209,11 @@ def _own(cls: type, path: tuple[str, ...]) -> Iterator[Declared]:
             continue
         kind, optional = _kind(hints[f.name])
         if kind not in _KINDS:
-            raise TypeError(f"{cls.__name__}.{f.name}: a setting is a str, int, float or bool, not {kind}")
+            raise TypeError(f"{cls.__name__}.{f.name}: a setting is a str, int, float, bool or tuple[str, ...], "
+                            f"not {kind}")
         prefix = getattr(cls, "dest_prefix", "")
         yield Declared(path=(*path, f.name), dest=s.dest or prefix + f.name, kind=kind, optional=optional,
-                       default=f.default, setting=s)
+                       default=f.default, setting=s, flag_by_field=getattr(cls, "flags_by_field", False))
 
 
 def _sections(cls: type) -> Iterator[tuple[str, type]]:
@@ -226,6 +252,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | 
         kw: dict[str, Any] = {"dest": d.dest, "default": None, "help": _flag_help(d)}
         if d.kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif d.kind is tuple:  # repeatable: each use adds one
+            kw["action"], kw["type"], kw["metavar"] = "append", str, d.path[-1].upper()
         else:
             kw["type"] = str if d.setting.parse is not None else d.kind
             kw["choices"] = d.setting.allowed()
@@ -244,7 +272,7 @@ def _metavar(d: Declared) -> str:
 
 def _flag_help(d: Declared) -> str:
     text = d.setting.help.replace("%", "%%")  # argparse formats help with %
-    if d.default is None or d.kind is bool and d.default is False:
+    if d.default is None or d.default == () or d.kind is bool and d.default is False:
         return text
     shown = d.default if isinstance(d.default, str) and d.default else _toml(d.default)
     return f"{text} (default {shown})"
@@ -254,6 +282,8 @@ def _toml(value: Any) -> str:
     """`value` as a TOML literal."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     return f'"{value}"' if isinstance(value, str) else str(value)
 
 
@@ -319,7 +349,7 @@ def reference(cls: type) -> str:
         if allowed is not None:
             meaning += "; one of " + ", ".join(f"`{c}`" for c in allowed)
         env = " / ".join(f"`{e}`" for e in (d.env, *d.setting.env_aliases))
-        default = "unset" if d.default is None else f"`{_toml(d.default)}`"
+        default = "unset" if d.default is None or d.default == () else f"`{_toml(d.default)}`"
         meaning = meaning.replace("|", r"\|")
         rows.append(f"| `{d.toml_key}` | `{d.flag}` | {env} | {default} | {meaning} |")
     return "\n".join(rows) + "\n"

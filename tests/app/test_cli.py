@@ -52,8 +52,8 @@ def test_seeded_sampling_reproduces(default_model_path: Path) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (("--model", "/nonexistent/model.gguf", "hi"), "neither an existing path nor a known model"),
-    (("--temperature", "-1", "hi"), "temperature must be"),
-    (("--max-tokens", "0", "hi"), "max_tokens must be"),
+    (("--temperature", "-1", "hi"), "--temperature must be >= 0"),
+    (("--max-tokens", "0", "hi"), "--max-tokens must be > 0"),
     (("--dtype", "int3", "hi"), "--dtype 'int3'"),
 ])
 def test_bad_input_is_a_clear_error(args: tuple[str, ...], message: str, default_model_path: Path) -> None:
