@@ -14,7 +14,11 @@ declares its own; dests are unique across a config tree. From the declarations c
 and `load` merges them: defaults < TOML < KVFENCE_* variables < flags. Validation runs when a config
 is constructed, whatever built it, and its messages name the flag.
 
-This module imports nothing of kvfence, so any package's config can declare its settings with it.
+A package below the app (the scheduler's `[scheduler]` table) declares its settings without
+importing this module: a plain dataclass whose fields carry `Setting`'s keys as metadata
+(`dataclasses.field(default=..., metadata={"help": ..., "above": 0})`, scheduler/core/config.py
+`knob`); this module reads both forms the same, and checks such a class's values when it builds one
+(`load`), since it has no `Settings.__post_init__`.
 """
 
 from __future__ import annotations
@@ -179,11 +183,17 @@ class Settings:
     flags_by_field: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        for decl in _own(type(self), ()):
-            value = getattr(self, decl.path[-1])
-            fixed = decl.normalized(value)
-            if fixed is not value:
-                object.__setattr__(self, decl.path[-1], fixed)
+        validate(self)
+
+
+def validate(config: Any) -> None:
+    """Check every setting field of `config` (a dataclass instance) and store its converted value;
+    ValueError naming the flag."""
+    for decl in _own(type(config), ()):
+        value = getattr(config, decl.path[-1])
+        fixed = decl.normalized(value)
+        if fixed is not value:
+            object.__setattr__(config, decl.path[-1], fixed)
 
 
 def _kind(hint: Any) -> tuple[Any, bool]:
@@ -205,6 +215,8 @@ def _own(cls: type, path: tuple[str, ...]) -> Iterator[Declared]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         s = f.metadata.get(_SETTING)
+        if s is None and "help" in f.metadata:  # declared as plain metadata, by a package below the app
+            s = Setting(**f.metadata)
         if s is None:
             continue
         kind, optional = _kind(hints[f.name])
@@ -337,7 +349,10 @@ def _build(cls: type, values: Mapping[tuple[str, ...], Any], path: tuple[str, ..
     kwargs = {d.path[-1]: values[d.path] for d in _own(cls, path) if d.path in values}
     for name, sub in _sections(cls):
         kwargs[name] = _build(sub, values, (*path, name))
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    if not isinstance(built, Settings):  # declared as plain metadata: checked here
+        validate(built)
+    return built
 
 
 def reference(cls: type) -> str:

@@ -1,15 +1,16 @@
 """Scheduler settings: the `[scheduler]` table a user sets, and the config the scheduler runs with.
 
-`SchedulerSettings` declares what a user sets (app/settings.py makes its flags, KVFENCE_* variables
-and TOML keys); `SchedulerConfig` adds what the server binds at start (`SchedulerSettings.bind`):
-the pools' page size, the served context, the mode and the prefill chunk for the prefill device.
+`SchedulerSettings` declares what a user sets, each a `knob`: its default, meaning and bounds as
+plain field metadata, from which app/settings.py makes its flag, KVFENCE_* variable and TOML key
+and checks a value (this package imports nothing of the app). `SchedulerConfig` adds what the
+server binds at start (`SchedulerSettings.bind`): the pools' page size, the served context, the
+mode and the prefill chunk for the prefill device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from kvfence.app.settings import Settings, setting
+from typing import Any
 
 # Prefill tokens per step by the prefill worker's device type, when --chunk-tokens is not given.
 # A prefill step holds up every decode step that shares its compute thread (engine/compute.py;
@@ -24,31 +25,37 @@ CHUNK_TOKENS_ELSEWHERE = 512
 CONTENDED_CHUNK_TOKENS_BY_DEVICE = {"cpu": 32}
 
 
+def knob(default: Any, help: str, **bounds: float) -> Any:
+    """A field a user sets: `default`, `help` (its meaning) and `bounds` (`above`, `at_least`,
+    `at_most`), in the metadata app/settings.py declares settings with."""
+    return dataclasses.field(default=default, metadata={"help": help, **bounds})
+
+
 @dataclasses.dataclass(frozen=True)
-class SchedulerSettings(Settings):
+class SchedulerSettings:
     """Admission limits, batching and timeouts."""
 
-    max_running: int = setting(64, "requests holding pages at once", above=0)
-    max_queue: int = setting(256, "requests waiting for pages before 503", at_least=0)
-    max_preemptions: int = setting(16, "times a running request may be sent back to the queue when the decode "
+    max_running: int = knob(64, "requests holding pages at once", above=0)
+    max_queue: int = knob(256, "requests waiting for pages before 503", at_least=0)
+    max_preemptions: int = knob(16, "times a running request may be sent back to the queue when the decode "
                                        "pool runs out before it ends with 503", at_least=0)
-    chunk_tokens: int | None = setting(None, f"prefill tokens per step (default: {CHUNK_TOKENS_BY_DEVICE['cpu']} "
+    chunk_tokens: int | None = knob(None, f"prefill tokens per step (default: {CHUNK_TOKENS_BY_DEVICE['cpu']} "
                                              f"when prefill runs on a CPU, {CHUNK_TOKENS_ELSEWHERE} on a GPU)", above=0)
-    contended_chunk_tokens: int | None = setting(
+    contended_chunk_tokens: int | None = knob(
         None, "prefill tokens per step of a fair-share group already decoding while other groups are active too "
               f"(default: {CONTENDED_CHUNK_TOKENS_BY_DEVICE['cpu']} when prefill runs on a CPU, the whole chunk on a "
               "GPU)", above=0)
-    contention_window_s: float = setting(
+    contention_window_s: float = knob(
         10.0, "seconds a fair-share group counts as active after its last request; while two or more are, a prompt "
               "waiting for its first token goes ahead and steps are kept short for it, at some cost in throughput "
               "(0: never)", at_least=0)
-    queue_timeout_s: float = setting(60.0, "seconds a request may wait for KV pages before it gets 503", above=0)
-    transfer_timeout_s: float = setting(30.0, "seconds a KV transfer may take before it fails (its pages are "
+    queue_timeout_s: float = knob(60.0, "seconds a request may wait for KV pages before it gets 503", above=0)
+    transfer_timeout_s: float = knob(30.0, "seconds a KV transfer may take before it fails (its pages are "
                                               "quarantined)", above=0)
-    heartbeat_s: float = setting(1.0, "seconds between asking each worker for its incarnation", above=0)
-    prefix_cache: bool = setting(True, "keep full prompt pages cached after a request, shared read-only with later "
+    heartbeat_s: float = knob(1.0, "seconds between asking each worker for its incarnation", above=0)
+    prefix_cache: bool = knob(True, "keep full prompt pages cached after a request, shared read-only with later "
                                        "requests of the same tenant (never across tenants)")
-    unsafe_cache_across_tenants: bool = setting(
+    unsafe_cache_across_tenants: bool = knob(
         False, "TESTING ONLY, never in production: a deliberately broken guard that keys and seals the prefix cache "
                "without the tenant, so one tenant's cached prompt serves another's (what `kvfence probe` must catch)")
 
@@ -84,7 +91,6 @@ class SchedulerConfig(SchedulerSettings):
         return min(self.contended_chunk_tokens or self.chunk_tokens, self.chunk_tokens)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         for flag, value in (("--page-size", self.page_size_tokens), ("--max-context", self.max_context_tokens),
                             ("--chunk-tokens", self.chunk_tokens)):
             if value <= 0:
