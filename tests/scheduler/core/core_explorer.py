@@ -423,6 +423,8 @@ class World:
 
 
 def shared_memo(world: World) -> dict[int, object]:
-    """What a copy of the world shares with the original: the tokenizer and the metrics."""
-    return {id(world.core.tokenizer): world.core.tokenizer, id(world.core.metrics): world.core.metrics}
+    """What a copy of the world shares with the original: the tokenizer, the metrics and the
+    config (frozen: no event changes it)."""
+    core = world.core
+    return {id(core.tokenizer): core.tokenizer, id(core.metrics): core.metrics, id(core.config): core.config}
 
