@@ -40,6 +40,7 @@ class Pages:
         self.fleet = fleet
         self.mint = mint
         self.held_until_quiet: dict[int, list[tuple[WorkerBinding, int]]] = {}  # transfer key -> leases quarantined
+        self.seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
 
     # ---- what an attempt needs, and whether it fits ----
 
@@ -155,6 +156,17 @@ class Pages:
             return {}
         keys = self.cache_keys(req)[:reusable_blocks(req.prefill_target, self.config.page_size_tokens)]
         return {w: w.ledger.lookup(keys) for w in pair.pools} if keys else {}
+
+    def seal_of(self, tenant: str) -> int:
+        """The tag `tenant`'s sealed pages carry in every pool (minted when first asked)."""
+        seal = self.seals.get(tenant)
+        if seal is None:
+            seal = self.seals[tenant] = self.mint()
+        return seal
+
+    def seal_owner(self, tag: int) -> str | None:
+        """The tenant whose sealed pages carry `tag` (None: no tenant's)."""
+        return next((t for t, seal in self.seals.items() if seal == tag), None)
 
     def seal(self, w: WorkerBinding, req: Request, lease: int, pages: list[int], shared: int) -> None:
         """The full pages `lease` filled in `w`'s pool (after the `shared` ones it found cached)

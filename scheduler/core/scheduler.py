@@ -56,6 +56,7 @@ from kvfence.scheduler.core.preemption import Preemption
 from kvfence.scheduler.core.prefix_cache import chain_root, reusable_blocks
 from kvfence.scheduler.core.registry import Registry
 from kvfence.scheduler.core.request import Request, client_closed
+from kvfence.scheduler.core.starts import Starts
 from kvfence.scheduler.core.steps import Steps
 from kvfence.scheduler.core.tenants import ANONYMOUS, Tenant
 from kvfence.scheduler.core.worker_binding import Pair, Step, WorkerBinding
@@ -89,12 +90,13 @@ class SchedulerCore:
         self.preemption = Preemption(config, self.metrics, self.registry, self.fleet, self.pages, end=self._end,
                                      start_queued=self._start_queued)
         self.worker_events = WorkerEvents(self.metrics, self.registry, self.fleet, end=self._end,
-                                          seal_owner=self._seal_owner)
+                                          seal_owner=self.pages.seal_owner)
         self._actions: list[Action] = []
         self.steps = Steps(config, self.registry, self.fleet, self.preemption, self._actions)
+        self.starts = Starts(config, self.metrics, self.registry, self.fleet, self.pages, self.preemption,
+                             end=self._end)
         self._transfer_keys = 0
         self._recent = RecentGroups(config.contention_window_s)
-        self._seals: dict[str, int] = {}  # tenant -> the tag its sealed (cached) pages carry in every pool
         self.fleet.add_pair(prefill, decode, max_context_tokens)
         if config.unsafe_cache_across_tenants:
             log.error("UNSAFE: the prefix cache is shared across tenants (unsafe_cache_across_tenants, a broken guard "
@@ -231,7 +233,7 @@ class SchedulerCore:
                           share=tenant.share_key, weight=tenant.weight)
             if self.config.prefix_cache and not priority:
                 scope = "*" if self.config.unsafe_cache_across_tenants else tenant.name  # "*": not a tenant name
-                req.cache_root, req.seal = chain_root(scope, cache_salt), self._seal_of(scope)
+                req.cache_root, req.seal = chain_root(scope, cache_salt), self.pages.seal_of(scope)
                 if admitted and reusable_blocks(len(prompt), self.config.page_size_tokens):
                     req.leader = admitted[0]
             self.registry.add(req, front=priority)
@@ -253,16 +255,6 @@ class SchedulerCore:
             self.metrics.rejected("draining")
             raise overloaded("the server is shutting down; retry on another replica", retry_after_s=5)
         return max_tokens
-
-    def _seal_owner(self, tag: int) -> str | None:
-        """The tenant whose sealed pages carry `tag` (None: no tenant's)."""
-        return next((t for t, seal in self._seals.items() if seal == tag), None)
-
-    def _seal_of(self, tenant: str) -> int:
-        seal = self._seals.get(tenant)
-        if seal is None:
-            seal = self._seals[tenant] = self.mint()
-        return seal
 
     def flush_cache(self, now: float) -> dict[str, int]:
         """Drop every prefix-cache entry of every pool; pages only the cache held are freed now
@@ -444,60 +436,8 @@ class SchedulerCore:
             self._actions.append(Emit(req.request_id, delta))
 
     def _start_queued(self, now: float) -> None:
-        """Reserve pages for queued requests in order while they fit, each on the pair the router
-        picks (scheduler/core/router.py): a priority request as soon as its pages are free; any other
-        while a running slot is free and the pair's decode pool keeps a page of headroom per
-        request running there (each may need one more page soon), so a new request does not take
-        the page a running one is about to need. A queued request that can no longer ever fit
-        (pages were quarantined, or pairs lost, since it came) ends now with 503."""
-        changed = self.fleet.take_changed()
-        if changed or any(w.ledger.num_quarantined for w in self.workers):
-            for queued in list(self.queue):
-                refusal = self.pages.refusal(len(queued.prompt), queued.prefill_target, queued.max_tokens, now)
-                if refusal is not None:
-                    self.metrics.rejected(refusal.reason)
-                    self._end(queued, refusal.error, now)
-        running_on = self.registry.running_per_decode()
-        while True:
-            req = self._next_to_start()
-            if req is None:
-                return
-            if not req.priority and self.num_running() >= self.config.max_running \
-                    and not self.preemption.make_slot_for_share(req, now):
-                return
-            choice = self.pages.route(req, running_on)
-            if choice is None:
-                return
-            pair, hits = choice
-            self.pages.reserve(req, pair, hits)
-            running_on[pair.decode] = running_on.get(pair.decode, 0) + 1
-            self.registry.move(req, Event.RESERVE)
-
-    def _next_to_start(self) -> Request | None:
-        """The queued request to start next, among those whose tenant may run one more and that
-        wait for no other (a tenant at its running limit, or a sample whose first sample's prompt
-        is not cached yet, `_waits_for_leader`, waits without holding up the others): a priority
-        request first; then one of the fair-share group (`Request.share`: a tenant, or without
-        keys a client) that runs the fewest requests for its weight; within a group, a preempted
-        request that has streamed output first (it keeps its place), then the earliest queued.
-        One group's flood therefore takes only its share of the slots that free up."""
-        tenants = self.registry.tenants
-        eligible = [r for r in self.queue if r.priority or not (tenants[r.tenant].at_running_limit
-                                                                or self._waits_for_leader(r))]
-        if not eligible:
-            return None
-        if eligible[0].priority:
-            return eligible[0]
-        running = self.registry.running_per_share()
-        return min(eligible, key=lambda r: (running.get(r.share, 0) / r.weight, not r.num_generated))
-
-    @staticmethod
-    def _waits_for_leader(req: Request) -> bool:
-        """A later sample of an n > 1 request waits while its first sample's first attempt has not
-        yet cached its prompt pages in both pools (it caches them as it starts decoding)."""
-        lead = req.leader
-        return lead is not None and lead.attempt == 1 and lead.pending_end is None and lead.state in (
-            State.WAITING, State.PREFILLING, State.TRANSFERRING)
+        """Start the queued requests that fit now (scheduler/core/starts.py)."""
+        self.starts.start_queued(now)
 
     # ---- workers ----
 

@@ -361,7 +361,7 @@ class World:
             if ledger.num_in_use != self._orphaned_pages(w):
                 raise Broken(f"{ledger.num_in_use} pages of the {w.name} pool are held once no event is left")
             cached = {p for p in range(ledger.num_pages) if ledger.is_sealed(p)}
-            seals = set(self.core._seals.values())  # noqa: SLF001
+            seals = set(self.core.pages.seals.values())
             unseen_restart = w.incarnation and w.incarnation != sim.inc()  # its blank pool is learned at the next reply
             if not unseen_restart and (set(sim.tags) != cached or any(sim.tags[p] not in seals for p in cached)):
                 raise Broken(f"pages {sorted(sim.tags)} of the {w.name} pool are tagged, but only the cached "
