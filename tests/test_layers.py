@@ -4,7 +4,7 @@ does fails here (checked on the source, every import, at module level or inside 
 kernels      the CPU and Triton kernels (kernels.cpu and kernels.triton know nothing of each other)
 transports   moving KV pages between pools, sealed channels
 engine       the model, its workers and their protocol
-scheduler    every decision about requests and pages (its pure core: tests/scheduler/test_core_is_sans_io.py)
+scheduler    every decision about requests and pages (its pure core: tests/scheduler/core/test_core_is_sans_io.py)
 app          the server, the commands, deployment
 """
 
@@ -18,8 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["kernels", "transports", "engine", "scheduler", "app"]  # lowest first
 SIBLINGS = [("kernels.cpu", "kernels.triton")]  # subpackages that never import each other
-# Imports that still go up, each with the step that removes it: nothing may join this list.
-KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -48,7 +46,7 @@ def test_no_module_imports_from_a_layer_above_its_own(path: Path) -> None:
     for line, module in _imports(path):
         target = module.split(".")[0]
         assert target in LAYERS, f"{source}:{line} imports kvfence.{module}, which is in no layer"
-        if LAYERS.index(target) > own and (str(source), module) not in KNOWN:
+        if LAYERS.index(target) > own:
             raise AssertionError(f"{source}:{line} imports kvfence.{module}: {target} is above {source.parts[0]} "
                                  f"(the layers, lowest first: {', '.join(LAYERS)})")
 
@@ -59,12 +57,6 @@ def test_sibling_packages_import_nothing_of_each_other() -> None:
             for path in sorted((ROOT / a.replace(".", "/")).rglob("*.py")):
                 for line, module in _imports(path):
                     assert not (module + ".").startswith(b + "."), f"{path.relative_to(ROOT)}:{line} imports {module}"
-
-
-def test_the_known_upward_imports_are_still_there() -> None:
-    """An entry of KNOWN that no longer happens is taken off, so the list only ever shrinks."""
-    for source, module in KNOWN:
-        assert any(m == module for _, m in _imports(ROOT / source)), f"{source} no longer imports {module}: drop it"
 
 
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
