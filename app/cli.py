@@ -85,7 +85,7 @@ def _generate(args: argparse.Namespace) -> int:
     from kvfence.app.config import load_config
     from kvfence.engine.chat_template import render_chat
     from kvfence.engine.kv_pool import KVPool
-    from kvfence.engine.llama import LlamaModel
+    from kvfence.engine.models.registry import build_model
     from kvfence.engine.loading import load_model_spec, pick_device, pick_dtype
     from kvfence.scheduler.offline import OfflineEngine
     from kvfence.engine.runner import ModelRunner
@@ -108,7 +108,7 @@ def _generate(args: argparse.Namespace) -> int:
     num_tokens = len(prompt_ids) + opts.max_tokens
     page_size_tokens = config.pools.page_size_tokens
     num_pages = -(-num_tokens // page_size_tokens)
-    model = LlamaModel(checkpoint, dtype, device, attention_backend=config.workers.attention_backend)
+    model = build_model(checkpoint, dtype, device, attention_backend=config.workers.attention_backend)
     del checkpoint
     pool = KVPool(model.config, num_pages, page_size_tokens, dtype, device)
     engine = OfflineEngine(ModelRunner(model, pool), tok, chunk_tokens=config.scheduler.chunk_tokens_for(device.type))
@@ -206,21 +206,11 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _read_model_config(path: Path) -> ModelConfig:
-    """The model's architecture from its GGUF metadata or config.json alone: no weights are read."""
-    from kvfence.engine import gguf_loader, hf_loader
-    from kvfence.engine.checkpoint import CheckpointError
+    """The model's config from its GGUF metadata or config.json alone: no weight is read."""
+    from kvfence.engine.checkpoint import read_config
     from kvfence.engine.loading import checkpoint_cache
 
-    if path.is_dir():
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
-            raise CheckpointError(f"{path}: not a model directory (no config.json)")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{cfg_path}: cannot read it ({e})") from e
-        return hf_loader.config_from_hf(raw, str(path))
-    return gguf_loader.config_from_fields(gguf_loader.read_metadata(path, checkpoint_cache(kvfence_home())), path)
+    return read_config(path, checkpoint_cache(kvfence_home()))
 
 
 def _check(args: argparse.Namespace) -> int:

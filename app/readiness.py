@@ -23,7 +23,7 @@ from prometheus_client import Counter, Gauge
 
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.family import Model
 from kvfence.scheduler.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
@@ -40,7 +40,7 @@ CANARY_TOKENS = 8
 Reference = Callable[[list[int], int], Awaitable[list[int]]]  # (prompt, max_tokens) -> greedy ids
 
 
-def greedy_answer(model: LlamaModel, tokenizer: Tokenizer, prompt: list[int], max_tokens: int,
+def greedy_answer(model: Model, tokenizer: Tokenizer, prompt: list[int], max_tokens: int,
                   page_size_tokens: int) -> list[int]:
     """The greedy continuation of `prompt` on `model` alone, in a scratch pool of its own (call on
     the model's compute thread)."""
@@ -52,7 +52,7 @@ def greedy_answer(model: LlamaModel, tokenizer: Tokenizer, prompt: list[int], ma
         return engine.generate([prompt], [params])[0].generated_token_ids
 
 
-def local_reference(compute: ComputeThread, model: LlamaModel, tokenizer: Tokenizer,
+def local_reference(compute: ComputeThread, model: Model, tokenizer: Tokenizer,
                     page_size_tokens: int) -> Reference:
     """The reference of a prefill worker in this process: `greedy_answer` on its compute thread."""
     async def reference(prompt: list[int], max_tokens: int) -> list[int]:

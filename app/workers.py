@@ -14,7 +14,8 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import UNSCRUBBED, KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.family import Model
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.loading import pick_device, pick_dtype
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.worker import Worker
@@ -85,7 +86,7 @@ def _build(config: ServeConfig, checkpoint: Checkpoint, roles: list[str], intra_
     for verdict in verdicts:
         if verdict.verdict != "ok":
             log.warning("%s", verdict.describe())
-    models: dict[torch.device, LlamaModel] = {}
+    models: dict[torch.device, Model] = {}
     compute: dict[torch.device, ComputeThread] = {}
     workers: dict[str, Worker] = {}
     try:
@@ -96,7 +97,7 @@ def _build(config: ServeConfig, checkpoint: Checkpoint, roles: list[str], intra_
             device = devices[role]
             if device not in compute:
                 compute[device] = ComputeThread(f"compute-{device}", intra_op_threads)
-                models[device] = compute[device].call(LlamaModel, checkpoint, dtype, device,
+                models[device] = compute[device].call(build_model, checkpoint, dtype, device,
                                                       config.workers.attention_backend)
             model = models[device]
             pool = compute[device].call(KVPool, model.config, plan.num_pages, plan.page_size_tokens, dtype, device)

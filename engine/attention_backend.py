@@ -34,8 +34,21 @@ from kvfence.engine.attention import AttentionBatch
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
 
+class LayerTables(Protocol):
+    """A backend's capability to check a step's slots and page tables once, for a model that runs
+    each whole layer in one kernel call (kernels/cpu/layer.py) instead of calling the backend."""
+
+    def checked(self, batch: AttentionBatch, keys: torch.Tensor) -> tuple[Any, Any]:
+        """(StoreSlots, DecodeTables) of `batch` (kernels/cpu/attention.py), checked against the
+        pool whose layer-0 keys are `keys`."""
+        ...
+
+
 class AttentionBackend(Protocol):
     name: str
+    # The capabilities a backend advertises; a model uses what is not None and never asks which
+    # backend it has. `layer_tables`: whole-layer kernels may read the pool through it.
+    layer_tables: LayerTables | None
 
     def store_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  batch: AttentionBatch) -> None:
@@ -48,6 +61,7 @@ class AttentionBackend(Protocol):
 
 class TorchBackend:
     name = "torch"
+    layer_tables: LayerTables | None = None
 
     def store_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  batch: AttentionBatch) -> None:
@@ -68,6 +82,7 @@ class CpuBackend(TorchBackend):
         # The last batch's checked slots and tables: every layer of a step passes the same
         # AttentionBatch. A tuple swapped whole, so threads sharing this backend at worst check twice.
         self._last: tuple[AttentionBatch, Any, Any] | None = None
+        self.layer_tables = self
 
     def checked(self, batch: AttentionBatch, keys: torch.Tensor) -> tuple[Any, Any]:
         """(StoreSlots, DecodeTables) of `batch`, checked against this pool once per step: a table
@@ -158,6 +173,7 @@ def kernel_batch(batch: AttentionBatch) -> KernelBatch:
 
 class TritonBackend:
     name = "triton"
+    layer_tables: LayerTables | None = None
 
     def __init__(self) -> None:
         from kvfence.kernels.triton import kv_store, paged_decode, paged_prefill

@@ -1,8 +1,8 @@
 """A loaded checkpoint: model config, weights under canonical names, and a tokenizer.
 
-Weights use the Hugging Face Llama names (``model.layers.{i}.self_attn.q_proj.weight``...) and the
-rotate-half RoPE convention whatever file they came from, so one model implementation serves both
-GGUF files and HF directories.
+Weights use the Hugging Face names of their family (``model.layers.{i}.self_attn.q_proj.weight``...)
+and its layout whatever file they came from (engine/models/: each family maps a GGUF file's names
+and layout to its own), so one model implementation serves both GGUF files and HF directories.
 """
 
 from __future__ import annotations
@@ -35,57 +35,10 @@ class Checkpoint:
     rope_freq_factors: torch.Tensor | None = None
 
 
-def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
-    """Canonical tensor names one decoder layer must provide."""
-    p = f"model.layers.{layer}."
-    names = [
-        p + "input_layernorm.weight",
-        p + "post_attention_layernorm.weight",
-        p + "self_attn.q_proj.weight",
-        p + "self_attn.k_proj.weight",
-        p + "self_attn.v_proj.weight",
-        p + "self_attn.o_proj.weight",
-        p + "mlp.gate_proj.weight",
-        p + "mlp.up_proj.weight",
-        p + "mlp.down_proj.weight",
-    ]
-    if config.qkv_bias:
-        names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
-    return names
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of `config` must hold, with its shape."""
-    c = config
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.norm.weight": (c.hidden_size,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-            p + "self_attn.q_proj.weight": (c.q_size, c.hidden_size),
-            p + "self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
-            p + "self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, c.q_size),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        })
-        if c.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
-            shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
-            shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
-    return shapes
-
-
-def check_tensors(config: ModelConfig, tensors: Tensors, source: str) -> None:
-    """Raise CheckpointError naming the first missing or misshapen tensor."""
-    for name, shape in expected_shapes(config).items():
+def check_tensors(shapes: dict[str, tuple[int, ...]], tensors: Tensors, source: str) -> None:
+    """Raise CheckpointError naming the first of `shapes` (a family's `expected_shapes`) missing
+    from `tensors` or of another shape."""
+    for name, shape in shapes.items():
         t = tensors.get(name)
         if t is None:
             raise CheckpointError(f"{source}: tensor {name} is missing")
@@ -107,4 +60,17 @@ def load_checkpoint(path: str | Path, weights: bool = True, cache_dir: Path | No
         return hf_loader.load_hf_dir(p, weights)
     if p.is_file():
         return gguf_loader.load_gguf(p, weights, cache_dir, keep_blocks)
+    raise CheckpointError(f"{p}: no such file or directory")
+
+
+def read_config(path: str | Path, cache_dir: Path | None = None) -> ModelConfig:
+    """The config of a GGUF file (its metadata, through the start-up cache in `cache_dir`) or of
+    a Hugging Face directory (its config.json): no weight is read."""
+    from kvfence.engine import gguf_loader, hf_loader
+
+    p = Path(path)
+    if p.is_dir():
+        return hf_loader.config_of(p)
+    if p.is_file():
+        return gguf_loader.config_of(gguf_loader.read_metadata(p, cache_dir), p)
     raise CheckpointError(f"{p}: no such file or directory")

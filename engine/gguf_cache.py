@@ -19,13 +19,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from kvfence.engine.gguf_loader import GGUFMetadata
+from kvfence.engine.gguf_metadata import GGUFMetadata
+
 
 FORMAT = 2  # bump when what an entry holds changes meaning
 MAX_CACHED_WEIGHT_BYTES = 2 << 30
@@ -48,8 +48,6 @@ class GGUFCache:
         self.source = str(source)
 
     def metadata(self) -> GGUFMetadata | None:
-        from kvfence.engine.gguf_loader import GGUFMetadata
-
         raw = self._read_json("metadata.json")
         if raw is None or raw.get("source") != self.source or not isinstance(raw.get("tensor_types"), dict):
             return None

@@ -1,12 +1,10 @@
-"""Architecture hyper-parameters of a Llama-family model, independent of the file format."""
+"""A model's hyper-parameters, independent of the file format: what the KV pool, the sizing and
+the runner read of every family. A family builds it from a file (engine/models/); a family with
+hyper-parameters of its own subclasses it in its file."""
 
 from __future__ import annotations
 
 import dataclasses
-
-# Architectures that share the Llama block (pre-norm, RoPE, GQA attention, SwiGLU MLP).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-
 
 class UnsupportedModelError(ValueError):
     """The checkpoint describes a model this engine cannot run."""
@@ -14,7 +12,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str
+    architecture: str  # a GGUF general.architecture its family runs (engine/models/registry.py)
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -31,11 +29,6 @@ class ModelConfig:
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unknown architecture {self.architecture!r}; kvfence runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
                      "num_kv_heads", "head_dim", "vocab_size", "max_context_tokens"):
             if getattr(self, name) <= 0:

@@ -17,7 +17,7 @@ from kvfence.engine.attention import build_attention_batch
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer, SlotViolation
 from kvfence.engine.grammar import apply_grammars
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.family import Model
 from kvfence.engine.logprobs import TokenLogprobs, token_logprobs
 from kvfence.engine.owner_check import OwnerViolation, check_owner_tags
 from kvfence.engine.sampling import Sampler, SamplingParams
@@ -69,7 +69,7 @@ class _Cut(Exception):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, sampler: Sampler | None = None, *,
+    def __init__(self, model: Model, pool: KVPool, sampler: Sampler | None = None, *,
                  owner_check: bool = True, sanitizer: KvSanitizer | None = None) -> None:
         """`owner_check=False` (the owner-tag guard off, app/guards.py) exists only so benchmarks can
         measure the check's cost. `sanitizer`: also check every slot a step reads against the lease

@@ -6,7 +6,6 @@ BOS policy, and the model's chat template (rendered by `chat_template.render_cha
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -14,6 +13,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
+
+from kvfence.engine.json_file import read_json_object
 
 # Control tokens that end generation in every family we run (llama.cpp uses the same list).
 END_OF_GENERATION_TEXTS = frozenset({
@@ -267,13 +268,7 @@ def _token_content(value: Any) -> str | None:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    try:
-        table = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read JSON ({e})") from e
-    if not isinstance(table, dict):
-        raise TokenizerError(f"{path}: holds {type(table).__name__}, not a JSON object")
-    return table
+    return read_json_object(path, TokenizerError)
 
 
 def tokenizer_from_hf_dir(directory: Path) -> Tokenizer:

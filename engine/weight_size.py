@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfence.engine.gguf_loader import GGUFMetadata, canonical_name
+from kvfence.engine.gguf_metadata import GGUFMetadata
+from kvfence.engine.models.registry import family_of
 from kvfence.kernels.cpu import quant as cpu_quant
 
 _PANEL_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q8_0": 544}  # per 32 values of a panel's 16 rows
@@ -39,8 +40,9 @@ def weight_bytes(meta: GGUFMetadata, keep_blocks: bool, dtype_name: str, element
     by_kind: dict[str, int] = {}
     file_kinds: dict[str, int] = {}
     tied = "output.weight" not in meta.tensor_types
+    family = family_of(str(meta.architecture))
     for name, (kind, shape) in meta.tensor_types.items():
-        if canonical_name(name) is None:
+        if family.canonical_name(name) is None:
             continue
         file_kinds[kind] = file_kinds.get(kind, 0) + 1
         count = 1

@@ -17,7 +17,7 @@ from kvfence.app.config import PoolsConfig
 from kvfence.app.environment import kvfence_home
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.loading import DTYPES, load_model_spec
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
@@ -99,7 +99,7 @@ def main() -> None:
     print(f"{'dtype':<10}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}")
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        model = LlamaModel(checkpoint, dtype)
+        model = build_model(checkpoint, dtype)
         pages = max(batches) * (-(-(args.prompt_tokens + args.decode_steps + 1) // PAGE_SIZE))
         pool = KVPool(model.config, pages, PAGE_SIZE, dtype)
         checks = {"on": [True], "off": [False], "both": [True, False]}[args.guards]

@@ -29,7 +29,7 @@ import torch
 from kvfence.app.environment import kvfence_home
 from kvfence.engine.grammar import LeaseGrammars
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.llama import LlamaModel
 from kvfence.engine.loading import load_model_spec
 from kvfence.engine.model_config import ModelConfig
 from kvfence.engine.runner import ModelRunner

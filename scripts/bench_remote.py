@@ -41,7 +41,7 @@ from kvfence.app.worker_server import KvEndpoint, WorkerServer
 from kvfence.engine.checkpoint import load_checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.model_registry import resolve_model
 from kvfence.engine.protocol import RunStep
 from kvfence.engine.runner import ModelRunner
@@ -179,7 +179,7 @@ async def control_channel_cost(model: str, steps: int) -> tuple[float, float]:
     """Mean seconds per empty step (no sequences: what is left is the channel): to a worker
     behind a control connection on loopback, and to the same worker in this process."""
     checkpoint = load_checkpoint(Path(model))
-    llama = LlamaModel(checkpoint, torch.float32)
+    llama = build_model(checkpoint, torch.float32)
     pool = KVPool(llama.config, 64, 16, torch.float32)
     worker = Worker("decode", ModelRunner(llama, pool))
     secret, front_key = DeploymentSecret.generate(), FrontKey.generate()

@@ -21,7 +21,7 @@ from kvfence.app.config import PoolsConfig
 from kvfence.app.environment import kvfence_home
 from kvfence.engine.grammar import LeaseGrammars, grammar_spec
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.loading import load_model_spec
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     args = ap.parse_args()
     checkpoint = load_model_spec(None, kvfence_home(), progress=False)
-    model = LlamaModel(checkpoint, torch.float32)
+    model = build_model(checkpoint, torch.float32)
     pages_per_seq = -(-(args.prompt_tokens + args.steps + 2) // PAGE_SIZE)
     pool = KVPool(model.config, len(CONFIGS) * args.batch * pages_per_seq, PAGE_SIZE, torch.float32)
     runner = ModelRunner(model, pool)

@@ -12,7 +12,7 @@ import time
 import torch
 
 from kvfence.app.environment import kvfence_home
-from kvfence.engine.gguf_loader import config_from_fields, read_metadata
+from kvfence.engine.checkpoint import read_config
 from kvfence.engine.kv_pool import SCRUB_MODES, UNSCRUBBED, KVPool
 from kvfence.engine.loading import DTYPES
 from kvfence.engine.model_registry import resolve_model
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     path = resolve_model(None, kvfence_home(), progress=False)
-    config = config_from_fields(read_metadata(path), path)  # metadata only
+    config = read_config(path)  # metadata only
     pool = KVPool(config, 1024, 16, DTYPES[args.dtype])
     pool.data.fill_(1.0)  # touch every page once, so first-touch faults are not measured
     n = args.pages_per_release

@@ -17,7 +17,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker, LocalWorkerChannel
@@ -47,7 +47,7 @@ def channel(worker: Worker) -> LocalWorkerChannel:
 
 def make_worker(checkpoint: Checkpoint, role: str, num_pages: int, page_size: int,
                 dtype: torch.dtype = torch.float32) -> Worker:
-    model = LlamaModel(checkpoint, dtype)
+    model = build_model(checkpoint, dtype)
     pool = KVPool(model.config, num_pages, page_size, dtype)
     return Worker(role, ModelRunner(model, pool, sanitizer=KvSanitizer(num_pages, page_size)), tokenizer=checkpoint.tokenizer)
 

@@ -23,7 +23,7 @@ from server_process import ServerProcess, serving
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.offline import OfflineEngine
@@ -307,7 +307,7 @@ def offline(smollm2: Checkpoint, reference: dict) -> dict:
     """The model in this process (fp32): raw logits of 8 greedy tokens of a chat case and a
     completion case, the slow reference of a penalized chat and the completion prompt's
     log-softmax after each of its prefixes (tests/sampling_reference.py)."""
-    model = LlamaModel(smollm2, torch.float32)
+    model = build_model(smollm2, torch.float32)
     engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 256, 16, torch.float32)), smollm2.tokenizer,
                            chunk_tokens=256)
     chat, text = (next(c for c in reference["cases"] if c["kind"] == kind) for kind in ("chat", "completion"))

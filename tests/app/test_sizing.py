@@ -15,8 +15,7 @@ from kvfence.app.sizing import (
     PoolPlan, SizingVerdict, UndersizedPoolError, check_sizing, plan_pools, render_table, resolve_context,
 )
 from kvfence.app.workers import build_workers
-from kvfence.engine import gguf_loader
-from kvfence.engine.checkpoint import Checkpoint
+from kvfence.engine.checkpoint import Checkpoint, read_config
 from kvfence.engine.loading import pick_device, pick_dtype
 from kvfence.engine.model_config import ModelConfig
 
@@ -29,7 +28,7 @@ TINY = ModelConfig(architecture="llama", num_layers=2, hidden_size=32, intermedi
 @pytest.fixture(scope="module")
 def smol(default_model_path: Path) -> ModelConfig:
     """The default model's architecture, from its GGUF metadata only."""
-    return gguf_loader.config_from_fields(gguf_loader.read_metadata(default_model_path), default_model_path)
+    return read_config(default_model_path)
 
 
 def serve_config(**flags: object) -> ServeConfig:

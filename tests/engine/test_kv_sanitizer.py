@@ -12,7 +12,7 @@ import torch
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker
@@ -54,7 +54,7 @@ def test_a_page_table_naming_a_page_outside_the_pool_is_an_error() -> None:
 
 
 def worker(tiny: Checkpoint) -> Worker:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     pool = KVPool(model.config, 8, 4, torch.float32)
     return Worker("decode", ModelRunner(model, pool, sanitizer=KvSanitizer(8, 4)))
 

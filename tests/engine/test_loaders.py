@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from kvfence.engine.attention import build_attention_batch
 from kvfence.engine.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from kvfence.engine.gguf_loader import permute_qk, unpermute_qk
+from kvfence.engine.models.llama import permute_qk, unpermute_qk
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.model_config import UnsupportedModelError
 
 # tiny_models sits in tests/: pytest (prepend import mode) puts that folder on sys.path for tests/conftest.py.
@@ -31,7 +31,7 @@ DECODE_TOKENS = [17, 268, 290, 3]
 
 def run_logits(ckpt: Checkpoint, prompt_ids: list[int]) -> torch.Tensor:
     """fp32 logits of every prompt position (two prefill chunks) and of a few decode steps."""
-    model = LlamaModel(ckpt, torch.float32)
+    model = build_model(ckpt, torch.float32)
     pool = KVPool(ckpt.config, num_pages=12, page_size_tokens=PAGE_SIZE, dtype=torch.float32)
     n = len(prompt_ids)
     assert n + len(DECODE_TOKENS) <= len(PAGE_TABLE) * PAGE_SIZE

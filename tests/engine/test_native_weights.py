@@ -14,7 +14,7 @@ from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
 from kvfence.engine.gguf_loader import read_metadata
 from kvfence.engine.gguf_tensor import GGUFTensor
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.llama import LlamaModel
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.weight_size import weight_bytes

@@ -7,7 +7,7 @@ import torch
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.owner_check import check_owner_tags
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0)
 
 
 def runner(tiny: Checkpoint) -> ModelRunner:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     return ModelRunner(model, KVPool(model.config, 16, 4, torch.float32))
 
 

@@ -10,7 +10,7 @@ import torch
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.scheduler.offline import GenerationOutput, OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
@@ -22,7 +22,7 @@ GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(smollm2: Checkpoint) -> OfflineEngine:
-    model = LlamaModel(smollm2, torch.float32)
+    model = build_model(smollm2, torch.float32)
     pool = KVPool(model.config, num_pages=1024, page_size_tokens=PAGE_SIZE, dtype=torch.float32)
     return OfflineEngine(ModelRunner(model, pool), smollm2.tokenizer, chunk_tokens=CHUNK_TOKENS)
 

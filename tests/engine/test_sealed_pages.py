@@ -13,7 +13,7 @@ import torch
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.owner_check import check_owner_tags
 from kvfence.engine.protocol import Landing, PageGrant, RunStep, SamplingSpec, Seal, SeqStep, StepDone
 from kvfence.engine.runner import ModelRunner, SeqWork
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0)
 
 
 def worker(tiny: Checkpoint) -> Worker:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     return Worker("colocated", ModelRunner(model, KVPool(model.config, 8, 4, torch.float32),
                                            sanitizer=KvSanitizer(8, 4)))
 

@@ -9,7 +9,7 @@ import torch
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.grammar import grammar_spec
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.worker import Worker
@@ -21,7 +21,7 @@ GRAMMAR = grammar_spec("json_object")
 
 
 def worker(tiny: Checkpoint) -> Worker:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     return Worker("colocated", ModelRunner(model, KVPool(model.config, 8, 4, torch.float32)), tokenizer=tiny.tokenizer)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.llama import LlamaModel
 from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams

@@ -7,7 +7,7 @@ import torch
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.page_tables import LeasePageTables
 from kvfence.engine.protocol import PageGrant, RunStep, decode_request, encode
 from kvfence.engine.runner import ModelRunner
@@ -67,7 +67,7 @@ def test_the_wire_form_carries_128_bit_leases_exactly() -> None:
 
 
 def engine(tiny: Checkpoint) -> OfflineEngine:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     return OfflineEngine(ModelRunner(model, KVPool(model.config, 32, PAGE, torch.float32)), tiny.tokenizer,
                          chunk_tokens=8)
 

@@ -18,7 +18,7 @@ from serving_harness import read_each, start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import POISON_VALUE, KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.scheduler.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
@@ -42,7 +42,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def solo(tiny: Checkpoint, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
     """The request alone, every page it could need reserved up front (never preempted)."""
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 64, PAGE, torch.float32)), tiny.tokenizer,
                            chunk_tokens=16)
     out = engine.generate([prompt], [params])[0]

@@ -26,7 +26,7 @@ from kvfence.app.remote_front import WorkerSetError, check_worker, pair_remote
 from kvfence.app.readiness import greedy_answer
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
@@ -76,7 +76,7 @@ async def outputs(scheduler: Scheduler) -> list[list[int]]:
 
 
 def offline(tiny: Checkpoint) -> list[list[int]]:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 64, PAGE, torch.float32)), tiny.tokenizer)
     return [o.generated_token_ids for o in engine.generate(PROMPTS, [GREEDY] * len(PROMPTS))]
 
@@ -193,7 +193,7 @@ async def test_a_cut_crosses_the_control_connection_and_the_step_comes_back_defe
 
 
 def test_the_reference_is_the_models_own_greedy_answer(tiny: Checkpoint) -> None:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     assert greedy_answer(model, tiny.tokenizer, PROMPTS[0], 10, PAGE) == offline(tiny)[0]
 
 

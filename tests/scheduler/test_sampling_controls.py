@@ -16,7 +16,7 @@ from serving_harness import assert_baseline, serve_all, small_config, start_serv
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
@@ -35,7 +35,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def reference(tiny: Checkpoint, ps: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[torch.Tensor]]]:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 64, PAGE, torch.float32)), tiny.tokenizer,
                            chunk_tokens=16)
     return [slow_greedy(engine, p, params, params.max_tokens or 1) for p in ps]
@@ -80,7 +80,7 @@ async def test_prompt_logprobs_are_the_models_across_chunks_even_for_a_cached_pr
     computed again for it; a request of one token carries them on its only delta."""
     prompt = prompts(1, seed=9)[0] * 3
     prompt = (prompt + list(range(40, 80)))[:40]
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     want = slow_prompt_logprobs(OfflineEngine(ModelRunner(model, KVPool(model.config, 64, PAGE, torch.float32)),
                                               tiny.tokenizer, chunk_tokens=16), prompt)
     serving = await start_serving(task_group, tiny, mode, config(mode), num_pages=64)

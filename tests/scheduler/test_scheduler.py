@@ -16,7 +16,7 @@ from serving_harness import assert_baseline, start_serving, wait_idle
 
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.scheduler.offline import OfflineEngine
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
@@ -67,7 +67,7 @@ async def harness(request: pytest.FixtureRequest, tiny: Checkpoint) -> AsyncIter
 
 
 def offline_greedy(tiny: Checkpoint, ps: list[list[int]], max_tokens: int) -> list[tuple[list[int], str]]:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     engine = OfflineEngine(ModelRunner(model, KVPool(model.config, 256, PAGE, torch.float32)), tiny.tokenizer,
                            chunk_tokens=16)
     outs = engine.generate(ps, [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * len(ps))

@@ -20,7 +20,7 @@ from serving_harness import wait_idle
 from kvfence.app.remote_front import Fleet
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.registry import build_model
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
@@ -40,7 +40,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 def offline(tiny: Checkpoint, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model = LlamaModel(tiny, torch.float32)
+    model = build_model(tiny, torch.float32)
     engine = OfflineEngine(ModelRunner(model, KVPool(model.config, PAGES, PAGE, torch.float32)), tiny.tokenizer)
     return [o.generated_token_ids for o in engine.generate(prompts, [greedy(n)] * len(prompts))]
 

@@ -47,7 +47,7 @@ def test_a_model_without_the_kernels_runs_torch_paths_with_the_same_greedy_token
     both models pick the same greedy tokens on the tiny model's prompt."""
     from kvfence.engine.attention import build_attention_batch
     from kvfence.engine.kv_pool import KVPool
-    from kvfence.engine.llama import LlamaModel
+    from kvfence.engine.models.llama import LlamaModel
 
     fast, slow = LlamaModel(tiny, torch.float32), LlamaModel(tiny, torch.float32, cpu_kernels=False)
     assert fast.fused_elementwise and fast.attention.name == "cpu" and fast.lm_head.packed is not None

@@ -15,7 +15,7 @@ import torch
 from kvfence.engine.attention import build_attention_batch
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
-from kvfence.engine.llama import LlamaModel
+from kvfence.engine.models.llama import LlamaModel
 from kvfence.engine.loading import load_checkpoint
 from kvfence.kernels.cpu import gemm as cpu_gemm, library as cpu_kernels
 from kvfence.kernels.cpu.attention import DecodeTables, StoreSlots

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvfence.engine import llama  # noqa: E402
+from kvfence.engine.models import llama  # noqa: E402
 from kvfence.engine.attention_backend import TritonBackend  # noqa: E402
 from kvfence.engine.kv_pool import KVPool  # noqa: E402
 from kvfence.engine.runner import ModelRunner, SeqWork  # noqa: E402
