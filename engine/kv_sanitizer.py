@@ -26,14 +26,14 @@ from typing import Protocol
 import numpy as np
 
 from kvfence.engine.kv_pool import lease_tag, tag_lease
+from kvfence.engine.protocol import SeqStep
 
 
 class _Step(Protocol):
-    token_ids: list[int]
-    context_tokens: int
+    """A sequence's step with its whole page table (engine/runner.py's SeqWork)."""
+
+    seq: SeqStep
     page_table: list[int]
-    lease: int
-    seal: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,14 +94,14 @@ class KvSanitizer:
         its own lease wrote nor is sealed with its seal; [] when every read is allowed."""
         violations: list[SlotViolation] = []
         for i, w in enumerate(works):
-            if not w.context_tokens:
+            if not w.seq.context_tokens:
                 continue
-            slots = self._slots(w.page_table, 0, w.context_tokens)
-            hi, lo = lease_tag(w.lease)
+            slots = self._slots(w.page_table, 0, w.seq.context_tokens)
+            hi, lo = lease_tag(w.seq.lease)
             found_hi, found_lo = self._hi[slots], self._lo[slots]
             bad_mask = (found_hi != hi) | (found_lo != lo)
-            if w.seal:
-                seal_hi, seal_lo = lease_tag(w.seal)
+            if w.seq.seal:
+                seal_hi, seal_lo = lease_tag(w.seq.seal)
                 bad_mask &= (found_hi != seal_hi) | (found_lo != seal_lo)
             bad = np.flatnonzero(bad_mask)
             if bad.size:
@@ -109,7 +109,7 @@ class KvSanitizer:
                 slot = int(slots[position])
                 writer = tag_lease(int(self._hi[slot]), int(self._lo[slot]))
                 violations.append(SlotViolation(work_index=i, position=position, page=slot // self.page_size_tokens,
-                                                slot=slot % self.page_size_tokens, lease=w.lease, writer=writer))
+                                                slot=slot % self.page_size_tokens, lease=w.seq.lease, writer=writer))
         return violations
 
     def written_by(self, page: int, slot: int) -> int:

@@ -21,14 +21,14 @@ from typing import Protocol
 import torch
 
 from kvfence.engine.kv_pool import KVPool, lease_tag, tag_lease
+from kvfence.engine.protocol import SeqStep
 
 
 class _Reader(Protocol):
-    token_ids: list[int]
-    context_tokens: int
+    """A sequence's step with its whole page table (engine/runner.py's SeqWork)."""
+
+    seq: SeqStep
     page_table: list[int]
-    lease: int
-    seal: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +51,12 @@ def check_owner_tags(pool: KVPool, works: Sequence[_Reader]) -> list[OwnerViolat
     also: list[tuple[int, int]] = []  # what a page may carry instead: the seal, for pages only read
     counts: list[int] = []
     for w in works:
-        n = -(-(w.context_tokens + len(w.token_ids)) // page_size)
-        read_only = min(w.context_tokens // page_size, n) if w.seal else 0
-        own = lease_tag(w.lease)
+        n = -(-(w.seq.context_tokens + len(w.seq.token_ids)) // page_size)
+        read_only = min(w.seq.context_tokens // page_size, n) if w.seq.seal else 0
+        own = lease_tag(w.seq.lease)
         pages.extend(w.page_table[:n])
         expected.extend([own] * n)
-        also.extend([lease_tag(w.seal)] * read_only + [own] * (n - read_only))
+        also.extend([lease_tag(w.seq.seal)] * read_only + [own] * (n - read_only))
         counts.append(n)
     index = torch.tensor(pages, dtype=torch.int64, device=pool.device)
     found = pool.owner_tags.index_select(0, index)  # [P, 2]
@@ -71,6 +71,6 @@ def check_owner_tags(pool: KVPool, works: Sequence[_Reader]) -> list[OwnerViolat
         row = next((r for r in range(start, start + n) if r in bad_rows), None)
         if row is not None:
             hi, lo = found[row].tolist()
-            violations.append(OwnerViolation(work_index=i, page=pages[row], lease=w.lease, owner=tag_lease(hi, lo)))
+            violations.append(OwnerViolation(work_index=i, page=pages[row], lease=w.seq.lease, owner=tag_lease(hi, lo)))
         start += n
     return violations

@@ -17,36 +17,6 @@ from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.sampling import SamplingParams
 
 
-class SamplingSpec(msgspec.Struct, frozen=True):
-    """The part of SamplingParams a worker needs to pick a token (and report its logprobs)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: list[tuple[int, float]] = []
-    logprobs: int | None = None
-    grammar: str | None = None  # the grammar's key (engine/grammar.py); its text comes with SeqStep.history
-
-    @classmethod
-    def of(cls, p: SamplingParams) -> SamplingSpec:
-        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                   presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                   repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=list(p.logit_bias),
-                   logprobs=p.logprobs, grammar=p.grammar_key if p.grammar is not None else None)
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                              logit_bias=tuple((t, b) for t, b in self.logit_bias), logprobs=self.logprobs,
-                              grammar=self.grammar, grammar_key=self.grammar or "")
-
-
 class SeqStep(msgspec.Struct, frozen=True):
     """One sequence's share of a step. The worker keeps each lease's page table (the pages its
     tokens live in, in order); a step carries only the pages appended to it since the lease's last
@@ -56,7 +26,10 @@ class SeqStep(msgspec.Struct, frozen=True):
     token_ids: list[int]  # a prefill chunk, or the one token to decode
     context_tokens: int  # tokens of this sequence already in the worker's pool
     new_pages: list[int]  # appended to the lease's page table before the step runs
-    sampling: SamplingSpec | None  # None: an intermediate prefill chunk
+    # How its token is picked: the request's own SamplingParams, as the scheduler holds it less the
+    # grammar's text (`Request.step_params`: the text comes once, with `history`; workers know a
+    # grammar by its key). None: an intermediate prefill chunk.
+    sampling: SamplingParams | None
     output_index: int = 0
     # The seal tag of the sequence's tenant: it may also read (never write) pages sealed with it,
     # shared read-only from the prefix cache. 0: it reads only its own pages.

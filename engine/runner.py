@@ -20,30 +20,35 @@ from kvfence.engine.grammar import apply_grammars
 from kvfence.engine.models.family import Model
 from kvfence.engine.logprobs import TokenLogprobs, token_logprobs
 from kvfence.engine.owner_check import OwnerViolation, check_owner_tags
+from kvfence.engine.protocol import SeqStep
 from kvfence.engine.sampling import Sampler, SamplingParams
 from kvfence.engine.token_counts import TokenCounts
 
 
 @dataclasses.dataclass
 class SeqWork:
-    """What one sequence does in one step."""
+    """One sequence's step as the runner runs it: the step as the scheduler sent it
+    (engine/protocol.py's SeqStep, not copied) and what the worker holds for its lease: its whole
+    page table, the counts of the tokens it has seen and its grammar matcher."""
 
-    token_ids: list[int]  # tokens fed this step: a prefill chunk, or the one last sampled token
-    context_tokens: int  # tokens of this sequence already in the KV cache
+    seq: SeqStep
     page_table: list[int]  # pages covering context_tokens + len(token_ids), in order
-    lease: int  # the lease these pages must be tagged with; checked before anything is read
-    sampling: SamplingParams | None  # None: an intermediate prefill chunk, nothing sampled
-    output_index: int = 0  # index of the token to sample within the output (seeds the noise)
-    seal: int = 0  # its tenant's seal: it may also read (never write) pages sealed with it
-    counts: TokenCounts | None = None  # what it has seen, where its sampling is penalized (token_counts.py)
+    counts: TokenCounts | None = None  # where its sampling is penalized (token_counts.py)
     grammar: Any = None  # its grammar matcher, where its output must follow one (grammar.py)
-    # prompt logprobs: per token fed, the token whose log-probability its logits give (-1: none)
-    score: list[int] | None = None
-    score_top: int = 0  # alternatives per scored token
+
+    @classmethod
+    def local(cls, *, page_table: list[int], lease: int, token_ids: list[int], context_tokens: int,
+              sampling: SamplingParams | None, counts: TokenCounts | None = None, grammar: Any = None,
+              **seq: Any) -> SeqWork:
+        """A step run in this process with no scheduler (benchmarks, tests): the whole page
+        table given, the SeqStep built from the rest (`seq`: its other fields)."""
+        step = SeqStep(lease=lease, token_ids=token_ids, context_tokens=context_tokens, new_pages=[],
+                       sampling=sampling, **seq)
+        return cls(seq=step, page_table=page_table, counts=counts, grammar=grammar)
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.context_tokens > 0
+        return len(self.seq.token_ids) == 1 and self.seq.context_tokens > 0
 
 
 @dataclasses.dataclass
@@ -97,12 +102,12 @@ class ModelRunner:
         the other works are not touched by it."""
         page_size = self.pool.page_size_tokens
         for w in works:
-            needed = -(-(w.context_tokens + len(w.token_ids)) // page_size)
-            if not w.token_ids or len(w.page_table) < needed:
+            needed = -(-(w.seq.context_tokens + len(w.seq.token_ids)) // page_size)
+            if not w.seq.token_ids or len(w.page_table) < needed:
                 raise ValueError(f"sequence step needs {needed} pages and at least one token, "
-                                 f"got {len(w.page_table)} pages and {len(w.token_ids)} tokens")
-            if w.score is not None and len(w.score) != len(w.token_ids):
-                raise ValueError(f"score names {len(w.score)} targets for {len(w.token_ids)} tokens")
+                                 f"got {len(w.page_table)} pages and {len(w.seq.token_ids)} tokens")
+            if w.seq.score is not None and len(w.seq.score) != len(w.seq.token_ids):
+                raise ValueError(f"score names {len(w.seq.score)} targets for {len(w.seq.token_ids)} tokens")
         violations: list[OwnerViolation | SlotViolation] = []
         if self.owner_check:
             violations += check_owner_tags(self.pool, works)
@@ -138,22 +143,22 @@ class ModelRunner:
         prompt_targets: list[tuple[int, int]] = []  # (work index, token), per prompt row
         for i in order:
             w = works[i]
-            if w.score is not None:
-                for j, target in enumerate(w.score):
+            if w.seq.score is not None:
+                for j, target in enumerate(w.seq.score):
                     if target >= 0:
                         prompt_rows.append(len(ids) + j)
                         prompt_targets.append((i, target))
-            ids.extend(w.token_ids)
-            positions.extend(range(w.context_tokens, w.context_tokens + len(w.token_ids)))
-            if w.sampling is not None:
+            ids.extend(w.seq.token_ids)
+            positions.extend(range(w.seq.context_tokens, w.seq.context_tokens + len(w.seq.token_ids)))
+            if w.seq.sampling is not None:
                 score_rows.append(len(ids) - 1)
                 scored.append(i)
-                params.append(w.sampling)
+                params.append(w.seq.sampling)
         device = self.pool.device
         batch = build_attention_batch(
             page_size,
-            [(works[i].page_table, works[i].context_tokens + 1) for i in order[:num_decode]],
-            [(works[i].page_table, works[i].context_tokens, len(works[i].token_ids)) for i in order[num_decode:]],
+            [(works[i].page_table, works[i].seq.context_tokens + 1) for i in order[:num_decode]],
+            [(works[i].page_table, works[i].seq.context_tokens, len(works[i].seq.token_ids)) for i in order[num_decode:]],
             device,
         )
         tokens = [None] * len(works)
@@ -171,14 +176,14 @@ class ModelRunner:
             return StepResult(tokens=tokens, logits=None, cut=True)
         if self.sanitizer is not None:  # the forward stored every work's new K/V
             for w in works:
-                self.sanitizer.record_write(w.lease, w.page_table, w.context_tokens, len(w.token_ids))
+                self.sanitizer.record_write(w.seq.lease, w.page_table, w.seq.context_tokens, len(w.seq.token_ids))
         prompt_logprobs = self._prompt_logprobs(works, all_logits[len(score_rows):], prompt_targets)
         logits = all_logits[:len(score_rows)]
         if not scored:
             return StepResult(tokens=tokens, logits=None, prompt_logprobs=prompt_logprobs)
         # [N, V]; logprobs stay the model's
         allowed, dead_rows = apply_grammars(logits, [works[i].grammar for i in scored])
-        sampled = self.sampler.sample(allowed, params, [works[i].output_index for i in scored],
+        sampled = self.sampler.sample(allowed, params, [works[i].seq.output_index for i in scored],
                                       [works[i].counts for i in scored])
         for i, tok in zip(scored, sampled.tolist()):
             tokens[i] = tok
@@ -193,7 +198,7 @@ class ModelRunner:
             tokens[i] = None
             if logprobs:
                 logprobs[i] = None
-            dead_ends[i] = (f"the output's grammar allows no token after output token {works[i].output_index}: "
+            dead_ends[i] = (f"the output's grammar allows no token after output token {works[i].seq.output_index}: "
                             "the schema cannot be satisfied from here")
         result = StepResult(tokens=tokens, logits=None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                             dead_ends=dead_ends)
@@ -209,7 +214,7 @@ class ModelRunner:
         if not targets:
             return []
         wanted = torch.tensor([t for _, t in targets], dtype=torch.int64, device=logits.device)
-        entries = token_logprobs(logits, wanted, [works[i].score_top for i, _ in targets])
+        entries = token_logprobs(logits, wanted, [works[i].seq.score_top for i, _ in targets])
         out: list[list[TokenLogprobs]] = [[] for _ in works]
         for (i, _), entry in zip(targets, entries):
             assert entry is not None

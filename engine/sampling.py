@@ -155,6 +155,14 @@ class SamplingParams:
         object.__setattr__(self, "min_p", float(self.min_p))
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
 
+    def for_steps(self) -> SamplingParams:
+        """What every step of the request carries to its worker (engine/protocol.py's
+        SeqStep.sampling): these params less the grammar's text and compiled form, which workers
+        know by `grammar_key` (the text travels once, with the lease's history)."""
+        if self.grammar is None and self.compiled_grammar is None:
+            return self
+        return replace(self, grammar=None, compiled_grammar=None)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
@@ -163,7 +171,7 @@ class SamplingParams:
     def tracks_history(self) -> bool:
         """Whether the worker that samples it keeps state of its sequence per lease (penalty
         counts or a grammar matcher), built from the history its lease's first step carries."""
-        return self.penalized or self.grammar is not None
+        return self.penalized or bool(self.grammar_key)
 
     @property
     def penalized(self) -> bool:

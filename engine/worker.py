@@ -191,25 +191,23 @@ class Worker:
         """Leave `s` out of this step: its grammar is still being compiled here in the background
         (engine/grammar.py); its page table is extended all the same (the scheduler counts the
         pages sent), nothing else of it is applied."""
-        if s.history is None or s.sampling is None or s.sampling.grammar is None:
+        if s.history is None or s.sampling is None or not s.sampling.grammar_key:
             return False
-        if self.grammars.ready(s.sampling.grammar, s.grammar):
+        if self.grammars.ready(s.sampling.grammar_key, s.grammar):
             return False
         self.page_tables.extend(s.lease, s.new_pages)
         return True
 
     def _work(self, s: SeqStep) -> SeqWork:
-        params = s.sampling.params() if s.sampling is not None else None
+        params = s.sampling
         counts = grammar = None
         if params is not None and params.penalized:
             counts = self.token_counts.observe(s.lease, s.context_tokens, s.token_ids, s.history, s.prompt_tokens)
-        if params is not None and params.grammar is not None:
+        if params is not None and params.grammar_key:
             grammar = self.grammars.observe(s.lease, s.grammar, s.context_tokens, s.token_ids, s.history,
-                                            s.prompt_tokens, key=params.grammar)
-        return SeqWork(token_ids=s.token_ids, context_tokens=s.context_tokens,
-                       page_table=self.page_tables.extend(s.lease, s.new_pages), lease=s.lease, sampling=params,
-                       output_index=s.output_index, seal=s.seal, counts=counts, grammar=grammar, score=s.score,
-                       score_top=s.score_top)
+                                            s.prompt_tokens, key=params.grammar_key)
+        return SeqWork(seq=s, page_table=self.page_tables.extend(s.lease, s.new_pages), counts=counts,
+                       grammar=grammar)
 
     def _mismatch(self, v: OwnerViolation | SlotViolation, indices: list[int]) -> OwnerMismatch:
         """The violation of work `v.work_index` as its seq's (`indices`: the seq index of each work)."""

@@ -46,7 +46,7 @@ def bench(runners: list[ModelRunner], batch: int, prompt_tokens: int, decode_ste
     prefill_s = 0.0
     for i, (table, prompt) in enumerate(zip(tables, prompts)):
         t0 = time.perf_counter()
-        out = runner.step([SeqWork(token_ids=prompt, context_tokens=0, page_table=table, lease=LEASE + i,
+        out = runner.step([SeqWork.local(token_ids=prompt, context_tokens=0, page_table=table, lease=LEASE + i,
                                    sampling=GREEDY)])
         if i == 0:
             prefill_s = time.perf_counter() - t0
@@ -60,7 +60,7 @@ def bench(runners: list[ModelRunner], batch: int, prompt_tokens: int, decode_ste
     for step in range(decode_steps + 1):
         k = step % len(runners)
         t0 = time.perf_counter()
-        out = runners[k].step([SeqWork(token_ids=[t], context_tokens=ctx, page_table=tb, lease=LEASE + i,
+        out = runners[k].step([SeqWork.local(token_ids=[t], context_tokens=ctx, page_table=tb, lease=LEASE + i,
                                        sampling=GREEDY)
                                for i, (t, tb) in enumerate(zip(last, tables))])
         if step > 0:  # the first step warms up

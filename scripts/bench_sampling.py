@@ -66,7 +66,7 @@ class Batch:
         counts = self.counts.observe(lease, position, tokens, history, self.prompt_tokens) if p.penalized else None
         grammar = (self.grammars.observe(lease, p.grammar, position, tokens, history, self.prompt_tokens)
                    if p.grammar is not None else None)
-        return SeqWork(token_ids=tokens, context_tokens=position, page_table=table, lease=lease, sampling=p,
+        return SeqWork.local(token_ids=tokens, context_tokens=position, page_table=table, lease=lease, sampling=p,
                        output_index=max(0, position + len(tokens) - self.prompt_tokens), counts=counts, grammar=grammar)
 
     def step(self) -> None:

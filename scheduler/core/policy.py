@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TypedDict
 
-from kvfence.engine.protocol import SamplingSpec, SeqStep
+from kvfence.engine.protocol import SeqStep
 from kvfence.scheduler.core.lease_table import LeaseTable
 from kvfence.scheduler.core.lifecycle import State
 from kvfence.scheduler.core.request import Request
@@ -19,7 +19,7 @@ def decode_steps(requests: list[Request], table: LeaseTable) -> list[SeqStep]:
     """One step per decoding request: feed its last token, which lands at position len(tokens) - 1.
     `table`: the decode pool's, which knows what of each page table its worker already has."""
     return [SeqStep(lease=r.decode_lease, token_ids=[r.tokens[-1]], context_tokens=len(r.tokens) - 1,
-                    new_pages=table.new_pages(r.decode_lease, r.decode_pages), sampling=SamplingSpec.of(r.params),
+                    new_pages=table.new_pages(r.decode_lease, r.decode_pages), sampling=r.step_params,
                     output_index=r.num_generated, seal=r.seal, **_counting(r, r.decode_lease, len(r.tokens) - 1))
             for r in requests]
 
@@ -83,7 +83,7 @@ def prefill_chunks(requests: list[Request], budget_tokens: int, table: LeaseTabl
         out.append((req, SeqStep(lease=req.prefill_lease, token_ids=req.tokens[req.prefilled: req.prefilled + n],
                                  context_tokens=req.prefilled,
                                  new_pages=table.new_pages(req.prefill_lease, req.prefill_pages),
-                                 sampling=SamplingSpec.of(req.params) if last else None,
+                                 sampling=req.step_params if last else None,
                                  output_index=req.num_generated, seal=req.seal, **counting,
                                  **_scoring(req, req.prefilled, n))))
         budget_tokens -= n

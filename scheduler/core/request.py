@@ -127,6 +127,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.queued_s = self.created_s
+        self.step_params = self.params.for_steps()  # what its steps carry (engine/protocol.py SeqStep.sampling)
 
     def requeue(self, now_s: float, *, retry: bool = False) -> None:
         """Preempted, or retried after a lost worker (its pages are being released): back to

@@ -108,7 +108,7 @@ def test_workers_check_owner_tags_and_scrub_unless_their_guards_are_off(tiny: Ch
         # pages 0 and 1 are A's; B's table names them
         assert isinstance(compute.call(worker.execute, RunStep(step_id=1, seqs=[], grants=[PageGrant(A, [0, 1])])),
                           StepDone)
-        out = compute.call(worker.runner.step, [SeqWork(token_ids=[5, 6, 7], context_tokens=0, page_table=[0, 1],
+        out = compute.call(worker.runner.step, [SeqWork.local(token_ids=[5, 6, 7], context_tokens=0, page_table=[0, 1],
                                                         lease=B, sampling=SamplingParams(temperature=0))])
         assert (out.tokens[0] is None, len(out.violations)) == ((True, 1) if guards.owner_tags else (False, 0))
         # released pages are poisoned, or keep their bytes

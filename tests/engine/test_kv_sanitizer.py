@@ -16,7 +16,7 @@ from kvfence.engine.models.registry import build_model
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker
-from kvfence.engine.protocol import Landing, PageGrant, RunStep, SamplingSpec, SeqStep, StepDone
+from kvfence.engine.protocol import Landing, PageGrant, RunStep, SeqStep, StepDone
 
 A, B = (7 << 100) | 1, (9 << 90) | 5  # two 128-bit leases
 GREEDY = SamplingParams(temperature=0)
@@ -25,14 +25,14 @@ GREEDY = SamplingParams(temperature=0)
 def test_reads_of_own_writes_pass_and_others_are_reported() -> None:
     s = KvSanitizer(num_pages=8, page_size_tokens=4)
     s.record_write(A, [3, 1], 0, 6)  # positions 0..5: page 3 slots 0..3, page 1 slots 0..1
-    assert s.check_reads([SeqWork(token_ids=[9], context_tokens=6, page_table=[3, 1], lease=A, sampling=GREEDY)]) == []
+    assert s.check_reads([SeqWork.local(token_ids=[9], context_tokens=6, page_table=[3, 1], lease=A, sampling=GREEDY)]) == []
     assert s.written_by(1, 1) == A and s.written_by(1, 2) == 0
     # one position further was never written
-    (v,) = s.check_reads([SeqWork(token_ids=[9], context_tokens=7, page_table=[3, 1], lease=A, sampling=GREEDY)])
+    (v,) = s.check_reads([SeqWork.local(token_ids=[9], context_tokens=7, page_table=[3, 1], lease=A, sampling=GREEDY)])
     assert (v.work_index, v.position, v.page, v.slot, v.lease, v.writer) == (0, 6, 1, 2, A, 0)
     # B overwrote one of A's slots: A's next read names B
     s.record_write(B, [3], 2, 1)
-    (v,) = s.check_reads([SeqWork(token_ids=[9], context_tokens=6, page_table=[3, 1], lease=A, sampling=GREEDY)])
+    (v,) = s.check_reads([SeqWork.local(token_ids=[9], context_tokens=6, page_table=[3, 1], lease=A, sampling=GREEDY)])
     assert (v.position, v.page, v.slot, v.writer) == (2, 3, 2, B)
 
 
@@ -40,9 +40,9 @@ def test_release_unwrites_every_slot_and_only_the_first_bad_slot_is_reported() -
     s = KvSanitizer(num_pages=4, page_size_tokens=4)
     s.record_write(A, [0, 2], 0, 8)
     s.forget([2])
-    works = [SeqWork(token_ids=[1], context_tokens=8, page_table=[0, 2], lease=A, sampling=GREEDY),
-             SeqWork(token_ids=[1], context_tokens=4, page_table=[0], lease=A, sampling=GREEDY),
-             SeqWork(token_ids=[1], context_tokens=0, page_table=[3], lease=B, sampling=GREEDY)]
+    works = [SeqWork.local(token_ids=[1], context_tokens=8, page_table=[0, 2], lease=A, sampling=GREEDY),
+             SeqWork.local(token_ids=[1], context_tokens=4, page_table=[0], lease=A, sampling=GREEDY),
+             SeqWork.local(token_ids=[1], context_tokens=0, page_table=[3], lease=B, sampling=GREEDY)]
     violations = s.check_reads(works)
     assert [(v.work_index, v.position, v.page, v.writer) for v in violations] == [(0, 4, 2, 0)]
 
@@ -61,7 +61,7 @@ def worker(tiny: Checkpoint) -> Worker:
 
 def seq(lease: int, tokens: list[int], context: int, new_pages: list[int]) -> SeqStep:
     return SeqStep(lease=lease, token_ids=tokens, context_tokens=context, new_pages=new_pages,
-                   sampling=SamplingSpec(temperature=0))
+                   sampling=SamplingParams(temperature=0))
 
 
 def run(w: Worker, step_id: int, seqs: list[SeqStep], **fields: object) -> StepDone:

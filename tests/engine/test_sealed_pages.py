@@ -15,7 +15,7 @@ from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.kv_sanitizer import KvSanitizer
 from kvfence.engine.models.registry import build_model
 from kvfence.engine.owner_check import check_owner_tags
-from kvfence.engine.protocol import Landing, PageGrant, RunStep, SamplingSpec, Seal, SeqStep, StepDone
+from kvfence.engine.protocol import Landing, PageGrant, RunStep, Seal, SeqStep, StepDone
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker
@@ -40,7 +40,7 @@ def run(w: Worker, step_id: int, seqs: list[SeqStep], **fields: object) -> StepD
 
 def seq(lease: int, tokens: list[int], context: int, new_pages: list[int], seal: int) -> SeqStep:
     return SeqStep(lease=lease, token_ids=tokens, context_tokens=context, new_pages=new_pages,
-                   sampling=SamplingSpec(temperature=0), seal=seal)
+                   sampling=SamplingParams(temperature=0), seal=seal)
 
 
 def prefill_and_seal(w: Worker) -> int:
@@ -80,11 +80,11 @@ def test_a_write_into_a_sealed_page_is_a_violation(tiny: Checkpoint) -> None:
     r.pool.assign([0, 1], SEAL_T)
     r.pool.assign([2], B)
     # context 6 ends inside page 1: the step would write position 6 into a sealed page
-    (v,) = check_owner_tags(r.pool, [SeqWork(token_ids=[9], context_tokens=6, page_table=[0, 1, 2], lease=B,
+    (v,) = check_owner_tags(r.pool, [SeqWork.local(token_ids=[9], context_tokens=6, page_table=[0, 1, 2], lease=B,
                                              sampling=GREEDY, seal=SEAL_T)])
     assert (v.page, v.owner) == (1, SEAL_T)
     # context 8: pages 0-1 are only read, position 8 lands in B's own page 2
-    assert check_owner_tags(r.pool, [SeqWork(token_ids=[9], context_tokens=8, page_table=[0, 1, 2], lease=B,
+    assert check_owner_tags(r.pool, [SeqWork.local(token_ids=[9], context_tokens=8, page_table=[0, 1, 2], lease=B,
                                              sampling=GREEDY, seal=SEAL_T)]) == []
 
 
@@ -107,11 +107,11 @@ def test_the_sanitizer_keeps_only_slots_the_sealing_lease_wrote(tiny: Checkpoint
     assert s is not None
     assert [s.written_by(4, i) for i in range(4)] == [SEAL_T] * 4
     assert [s.written_by(5, i) for i in range(4)] == [SEAL_T, SEAL_T, 0, 0]
-    ok = SeqWork(token_ids=[1], context_tokens=6, page_table=[4, 5], lease=B, sampling=GREEDY, seal=SEAL_T)
+    ok = SeqWork.local(token_ids=[1], context_tokens=6, page_table=[4, 5], lease=B, sampling=GREEDY, seal=SEAL_T)
     assert s.check_reads([ok]) == []
-    (v,) = s.check_reads([SeqWork(token_ids=[1], context_tokens=7, page_table=[4, 5], lease=B, sampling=GREEDY,
+    (v,) = s.check_reads([SeqWork.local(token_ids=[1], context_tokens=7, page_table=[4, 5], lease=B, sampling=GREEDY,
                                   seal=SEAL_T)])
     assert (v.position, v.writer) == (6, 0)
-    (v,) = s.check_reads([SeqWork(token_ids=[1], context_tokens=6, page_table=[4, 5], lease=B, sampling=GREEDY,
+    (v,) = s.check_reads([SeqWork.local(token_ids=[1], context_tokens=6, page_table=[4, 5], lease=B, sampling=GREEDY,
                                   seal=SEAL_U)])  # another tenant's seal
     assert (v.position, v.writer) == (0, SEAL_T)

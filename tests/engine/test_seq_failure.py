@@ -10,7 +10,8 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.grammar import grammar_spec
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.models.registry import build_model
-from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone
+from kvfence.engine.protocol import PageGrant, RunStep, SeqStep, StepDone
+from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.worker import Worker
 
@@ -28,10 +29,10 @@ def worker(tiny: Checkpoint) -> Worker:
 def seq(lease: int, broken: bool = False) -> SeqStep:
     if not broken:
         return SeqStep(lease=lease, token_ids=PROMPTS[lease], context_tokens=0, new_pages=PAGES[lease],
-                       sampling=SamplingSpec(temperature=0))
+                       sampling=SamplingParams(temperature=0))
     # a penalized first sampling step whose history does not reach its position: it cannot be built
     return SeqStep(lease=lease, token_ids=PROMPTS[lease], context_tokens=0, new_pages=PAGES[lease],
-                   sampling=SamplingSpec(temperature=0, presence_penalty=1.0), history=[1, 2],
+                   sampling=SamplingParams(temperature=0, presence_penalty=1.0), history=[1, 2],
                    prompt_tokens=len(PROMPTS[lease]))
 
 
@@ -62,7 +63,7 @@ def test_a_seq_whose_grammar_is_compiling_is_left_out_and_the_others_run(tiny: C
     solo = {lease: run(worker(tiny), [seq(lease)]).tokens[0] for lease in (A, C)}
     w = worker(tiny)
     bound = SeqStep(lease=B, token_ids=PROMPTS[B], context_tokens=0, new_pages=PAGES[B],
-                    sampling=SamplingSpec(temperature=0, grammar="key-b"), history=[], prompt_tokens=len(PROMPTS[B]),
+                    sampling=SamplingParams(temperature=0, grammar_key="key-b"), history=[], prompt_tokens=len(PROMPTS[B]),
                     grammar=GRAMMAR)
     reply = run(w, [seq(A), bound, seq(C)])
     assert reply.tokens == [solo[A], None, solo[C]] and reply.deferred == [1] and reply.failed == []

@@ -13,7 +13,7 @@ import torch
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.models.llama import LlamaModel
-from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone
+from kvfence.engine.protocol import PageGrant, RunStep, SeqStep, StepDone
 from kvfence.engine.runner import ModelRunner, SeqWork
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker
@@ -32,15 +32,15 @@ def runner(tiny: Checkpoint, cpu_kernels: bool) -> ModelRunner:
 def works(context: int = 0) -> list[SeqWork]:
     """A's chunk of 7 tokens after `context` tokens of its own, B's whole 5-token prompt."""
     a = [5 + i for i in range(context + 7)]
-    return [SeqWork(token_ids=a[context:], context_tokens=context, page_table=[0, 1, 2, 3], lease=A,
+    return [SeqWork.local(token_ids=a[context:], context_tokens=context, page_table=[0, 1, 2, 3], lease=A,
                     sampling=SamplingParams(temperature=0)),
-            SeqWork(token_ids=[40, 41, 42, 43, 44], context_tokens=0, page_table=[4, 5], lease=B,
+            SeqWork.local(token_ids=[40, 41, 42, 43, 44], context_tokens=0, page_table=[4, 5], lease=B,
                     sampling=SamplingParams(temperature=0))]
 
 
 def prefill_a(r: ModelRunner, context: int) -> None:
     a = [5 + i for i in range(context)]
-    r.step([SeqWork(token_ids=a, context_tokens=0, page_table=[0, 1, 2, 3], lease=A, sampling=None)])
+    r.step([SeqWork.local(token_ids=a, context_tokens=0, page_table=[0, 1, 2, 3], lease=A, sampling=None)])
 
 
 def tag(r: ModelRunner) -> None:
@@ -89,9 +89,9 @@ def worker(tiny: Checkpoint) -> Worker:
 
 def seqs() -> list[SeqStep]:
     return [SeqStep(lease=A, token_ids=[5, 6, 7, 8, 9, 10, 11], context_tokens=0, new_pages=[0, 1],
-                    sampling=SamplingSpec(temperature=0)),
+                    sampling=SamplingParams(temperature=0)),
             SeqStep(lease=B, token_ids=[40, 41, 42, 43, 44], context_tokens=0, new_pages=[4, 5],
-                    sampling=SamplingSpec(temperature=0))]
+                    sampling=SamplingParams(temperature=0))]
 
 
 def grants() -> list[PageGrant]:
@@ -131,7 +131,7 @@ def test_a_seq_refused_by_the_owner_check_is_reported_not_deferred(tiny: Checkpo
     w = worker(tiny)
     w.ask_cut(1)
     stolen = [seqs()[0], SeqStep(lease=B, token_ids=[40, 41, 42, 43, 44], context_tokens=0, new_pages=[0, 1],
-                                 sampling=SamplingSpec(temperature=0))]  # A's pages
+                                 sampling=SamplingParams(temperature=0))]  # A's pages
     reply = w.execute(RunStep(step_id=1, seqs=stolen, grants=[PageGrant(A, [0, 1]), PageGrant(B, [])],
                               cuttable=True))
     assert isinstance(reply, StepDone) and reply.cut

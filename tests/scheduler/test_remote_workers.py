@@ -33,7 +33,7 @@ from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.offline import OfflineEngine
-from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, WorkerLost
+from kvfence.engine.protocol import PageGrant, RunStep, SeqStep, StepDone, WorkerLost
 from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.core.secret import DeploymentSecret
 
@@ -174,7 +174,7 @@ async def test_a_cut_crosses_the_control_connection_and_the_step_comes_back_defe
     secret = DeploymentSecret.generate()
     lease, pages = (5 << 80) | 3, [0, 1, 2]
     seq = SeqStep(lease=lease, token_ids=PROMPTS[0], context_tokens=0, new_pages=pages,
-                  sampling=SamplingSpec(temperature=0))
+                  sampling=SamplingParams(temperature=0))
     async with anyio.create_task_group() as tg:
         hosted = await host_pair(tg, tiny, secret)
         prefill = await RemoteWorker.connect(tg, hosted[0].address, secret, front_key=FRONT)

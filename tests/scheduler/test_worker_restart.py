@@ -13,7 +13,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.engine.protocol import PageGrant, RunStep, SamplingSpec, SeqStep, StepDone, StepFailed
+from kvfence.engine.protocol import PageGrant, RunStep, SeqStep, StepDone, StepFailed
 
 pytestmark = pytest.mark.anyio
 LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -113,7 +113,7 @@ def test_a_step_for_the_old_incarnation_is_refused_unapplied(tiny: Checkpoint) -
     w.restart()
     lease = 5 << 64 | 3
     step = RunStep(step_id=1, seqs=[SeqStep(lease=lease, token_ids=[1, 2, 3], context_tokens=0, new_pages=[0],
-                                            sampling=SamplingSpec(temperature=0))],
+                                            sampling=SamplingParams(temperature=0))],
                    grants=[PageGrant(lease, [0])], incarnation=old)
     before = w.pool.data.clone()
     reply = w.execute(step)

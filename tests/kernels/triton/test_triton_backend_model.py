@@ -22,14 +22,14 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     b = list(range(20, 31))  # 11, in two chunks
     runner.pool.assign([5, 2], 11)
     runner.pool.assign([0, 7, 3], 22)
-    s1 = runner.step([SeqWork(token_ids=a, context_tokens=0, page_table=[5, 2], lease=11, sampling=GREEDY),
-                      SeqWork(token_ids=b[:6], context_tokens=0, page_table=[0, 7, 3], lease=22, sampling=GREEDY)],
+    s1 = runner.step([SeqWork.local(token_ids=a, context_tokens=0, page_table=[5, 2], lease=11, sampling=GREEDY),
+                      SeqWork.local(token_ids=b[:6], context_tokens=0, page_table=[0, 7, 3], lease=22, sampling=GREEDY)],
                      return_logits=True)
-    s2 = runner.step([SeqWork(token_ids=[40], context_tokens=10, page_table=[5, 2], lease=11, sampling=GREEDY),
-                      SeqWork(token_ids=b[6:], context_tokens=6, page_table=[0, 7, 3], lease=22, sampling=GREEDY)],
+    s2 = runner.step([SeqWork.local(token_ids=[40], context_tokens=10, page_table=[5, 2], lease=11, sampling=GREEDY),
+                      SeqWork.local(token_ids=b[6:], context_tokens=6, page_table=[0, 7, 3], lease=22, sampling=GREEDY)],
                      return_logits=True)
-    s3 = runner.step([SeqWork(token_ids=[41], context_tokens=11, page_table=[5, 2], lease=11, sampling=GREEDY),
-                      SeqWork(token_ids=[42], context_tokens=11, page_table=[0, 7, 3], lease=22, sampling=GREEDY)],
+    s3 = runner.step([SeqWork.local(token_ids=[41], context_tokens=11, page_table=[5, 2], lease=11, sampling=GREEDY),
+                      SeqWork.local(token_ids=[42], context_tokens=11, page_table=[0, 7, 3], lease=22, sampling=GREEDY)],
                      return_logits=True)
     return [s.logits for s in (s1, s2, s3)]  # type: ignore[misc]
 
