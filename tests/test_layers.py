@@ -6,11 +6,14 @@ transports   moving KV pages between pools, sealed channels
 engine       the model, its workers and their protocol
 scheduler    every decision about requests and pages (its pure core: tests/scheduler/core/test_core_is_sans_io.py)
 app          the server, the commands, deployment
+
+And every folder with an __init__.py is a package pyproject.toml installs.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,14 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from kvfence.app.cli import main\nimport kvfence.engine.ids\n")
     assert _imports(probe) == [(2, "app.cli"), (3, "engine.ids")]
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject.toml's [tool.setuptools] packages names every folder with an __init__.py, and only
+    those: an editable install finds an unlisted one anyway, a fresh install leaves it out."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    top = {folder: package for package, folder in setuptools["package-dir"].items()}
+    folders = {".".join([top[p.relative_to(ROOT).parts[0]], *p.relative_to(ROOT).parent.parts[1:]])
+               for layer in LAYERS for p in (ROOT / layer).rglob("__init__.py")}
+    listed = set(setuptools["packages"])
+    assert folders == listed, f"unlisted: {sorted(folders - listed)}; listed, no folder: {sorted(listed - folders)}"
