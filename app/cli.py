@@ -167,6 +167,10 @@ def _serve(args: argparse.Namespace) -> int:
                                  cache_dir=checkpoint_cache(kvfence_home()),
                                  keep_blocks=config.workers.weights == "native")
     name = config.served_model_name or served_name(config.model)
+    if config.discovery is not None:
+        from kvfence.app.remote.front import serve_remote  # a front end of workers in other processes
+
+        return anyio.run(serve_remote, config, checkpoint, name)
     return anyio.run(serve, config, checkpoint, name, intra_op_threads)
 
 

@@ -21,7 +21,6 @@ from kvfence.app.config import settings
 from kvfence.app.config.command_options import TABLES as COMMAND_TABLES
 from kvfence.app.config.command_options import options_reference
 from kvfence.app.config.settings import Settings, section, setting
-from kvfence.app.remote.protocol import DEFAULT_WORKER_TIMEOUT_S, MAX_WORKER_TIMEOUT_S
 from kvfence.engine.attention_backend import BACKEND_NAMES
 from kvfence.engine.kv_pool import SCRUB_MODES
 from kvfence.scheduler.core.config import SchedulerSettings
@@ -40,6 +39,10 @@ UNAUTHENTICATED_PORTS = {"nixl": "UCX, under NIXL, listens on ports of its own t
                          "mooncake": "the Mooncake engine listens on ports of its own that authenticate no one"}
 EXPOSED = {"nixl": "a worker's whole KV pool is",
            "mooncake": "the pages of a transfer in flight (over rdma: the whole pool) are"}
+DEFAULT_WORKER_TIMEOUT_S = 5.0  # the scheduler's bound on a silent worker (kvfence serve --worker-timeout)
+# The longest --worker-timeout, and how long a worker waits for a silent scheduler before it drops it
+# (app/remote/protocol.py's SCHEDULER_SILENCE_S): pings go every quarter of it, well inside the worker's bound.
+MAX_WORKER_TIMEOUT_S = 60.0
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

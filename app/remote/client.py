@@ -23,10 +23,11 @@ import time
 import anyio
 import anyio.abc
 
+from kvfence.app.config.config import DEFAULT_WORKER_TIMEOUT_S, MAX_WORKER_TIMEOUT_S
 from kvfence.app.remote.protocol import (
-    CALL_DEADLINE_S, DEFAULT_WORKER_TIMEOUT_S, HANDSHAKE_LABEL, MAX_WORKER_TIMEOUT_S, PREFIX_BYTES, Answer,
-    AnswerBody, Arm, AwaitVerdict, Call, CallBody, Cancel, Cut, Describe, Description, Done, Failure, Paired, PairWith,
-    Ping, Push, Reference, Tokens, Verdict, WaitQuiet, body_length, decode_answer, frame,
+    CALL_DEADLINE_S, HANDSHAKE_LABEL, PREFIX_BYTES, Answer, AnswerBody, Arm, AwaitVerdict, Call, CallBody, Cancel, Cut,
+    Describe, Description, Done, Failure, Paired, PairWith, Ping, Push, Reference, Tokens, Verdict, WaitQuiet,
+    body_length, decode_answer, frame,
 )
 from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerLost, WorkerReply
 from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult

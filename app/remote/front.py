@@ -23,11 +23,11 @@ import time
 import anyio
 import torch
 
-from kvfence.app.config.config import ServeConfig
+from kvfence.app.config.config import DEFAULT_WORKER_TIMEOUT_S, ServeConfig
 from kvfence.app.remote.client import RemoteReceivingEnd, RemoteSendingEnd, RemoteWorker
 from kvfence.app.remote.discovery import Discovery, parse_discovery
 from kvfence.app.remote.membership import TTL_S, Registration, find_workers, watch_workers
-from kvfence.app.remote.protocol import DEFAULT_WORKER_TIMEOUT_S, PROTOCOL_VERSION
+from kvfence.app.remote.protocol import PROTOCOL_VERSION
 from kvfence.app.serve.server import model_identity, serve_http
 from kvfence.app.serve.sizing import configured_context
 from kvfence.engine.checkpoint import Checkpoint

@@ -31,6 +31,7 @@ from typing import TypeAlias
 
 import msgspec
 
+from kvfence.app.config.config import MAX_WORKER_TIMEOUT_S
 from kvfence.engine.protocol import RunStep, StepDone, StepFailed
 from kvfence.transports.base import EndpointInfo, PairingRecord, TransferManifest
 
@@ -42,9 +43,7 @@ PROTOCOL_VERSION = 2
 MAX_CONTROL_FRAME = 64 << 20  # bytes of one frame's body (a prefill chunk, its grants and pages)
 _LEN = struct.Struct(">I")
 CALL_DEADLINE_S = 120.0  # a call unanswered this long, while pings are answered: a stuck device
-SCHEDULER_SILENCE_S = 60.0  # a worker drops a scheduler silent this long
-DEFAULT_WORKER_TIMEOUT_S = 5.0  # the scheduler's bound on a silent worker (kvfence serve --worker-timeout)
-MAX_WORKER_TIMEOUT_S = SCHEDULER_SILENCE_S  # pings go every quarter of it, well inside the worker's bound
+SCHEDULER_SILENCE_S = MAX_WORKER_TIMEOUT_S  # a worker drops a scheduler silent this long: the longest --worker-timeout
 
 
 class Describe(msgspec.Struct, frozen=True, tag="describe"):

@@ -89,16 +89,16 @@ async def _drain_on_signal(scheduler: Scheduler, shutdown: anyio.Event, timeout_
 
 async def serve(config: ServeConfig, checkpoint: Checkpoint, model_name: str,
                 intra_op_threads: int | None = None, guards: Guards = Guards()) -> int:
-    """Serve until SIGTERM/SIGINT drained (0), or 1 when the workers' transport endpoints refused
-    to pair, or (with --discovery) the workers cannot be used (logged). `intra_op_threads`: each
-    device's compute thread team (engine/compute.py). `guards`: every isolation guard on, unless a
-    program measuring their cost says otherwise (app/serve/guards.py; in one process, over tcp, only)."""
+    """Serve the workers of this process until SIGTERM/SIGINT drained (0), or 1 when their transport
+    endpoints refused to pair (logged); with --discovery, app/remote/front.py's `serve_remote` serves
+    instead. `intra_op_threads`: each device's compute thread team (engine/compute.py). `guards`:
+    every isolation guard on, unless a program measuring their cost says otherwise
+    (app/serve/guards.py; in one process, over tcp, only)."""
     if guards.off() and (config.discovery is not None or config.transport.name != "tcp"):
         raise ValueError("guards can be turned off only in one process, over tcp")
-    guards.warn()
     if config.discovery is not None:
-        from kvfence.app.remote.front import serve_remote  # it builds on this module
-        return await serve_remote(config, checkpoint, model_name)
+        raise ValueError("with --discovery the workers run elsewhere: app/remote/front.py's serve_remote serves")
+    guards.warn()
     workers = build_workers(config, checkpoint, intra_op_threads, guards)
     try:
         confine_to_one_intra_op_thread()  # torch work outside the compute threads stays single-threaded
