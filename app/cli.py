@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvfence.app.environment import kvfence_home
+from kvfence.app.config.environment import kvfence_home
 
 if TYPE_CHECKING:  # imported where used: `kvfence --help` loads neither torch nor the engine
     import torch
@@ -22,11 +22,11 @@ _GENERATE_SETTINGS = ("model", "dtype", "weights", "page_size_tokens", "attentio
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    """Every settings flag comes from its declaration (app/config.py), with default None so the
+    """Every settings flag comes from its declaration (app/config/config.py), with default None so the
     config file and the environment still apply."""
-    from kvfence.app.command_options import declared_root
-    from kvfence.app.config import ServeConfig
-    from kvfence.app.settings import add_flags
+    from kvfence.app.config.command_options import declared_root
+    from kvfence.app.config.config import ServeConfig
+    from kvfence.app.config.settings import add_flags
 
     parser = argparse.ArgumentParser(prog="kvfence", description="Disaggregated LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,14 +82,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvfence.app.config import load_config
+    from kvfence.app.config.config import load_config
     from kvfence.engine.chat_template import render_chat
     from kvfence.engine.kv_pool import KVPool
     from kvfence.engine.models.registry import build_model
     from kvfence.engine.loading import load_model_spec, pick_device, pick_dtype
-    from kvfence.scheduler.offline import OfflineEngine
     from kvfence.engine.runner import ModelRunner
     from kvfence.engine.sampling import SamplingParams
+    from kvfence.scheduler.offline import OfflineEngine
 
     config = load_config(vars(args), os.environ, args.config)
     opts = _options("generate", args)
@@ -128,11 +128,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     import anyio
 
-    from kvfence.app.api_keys import ApiKeys
-    from kvfence.app.config import load_config
-    from kvfence.app.discovery import parse_discovery
-    from kvfence.app.server import serve
-    from kvfence.app.sizing import plan_pools, resolve_context
+    from kvfence.app.api.keys import ApiKeys
+    from kvfence.app.config.config import load_config
+    from kvfence.app.remote.discovery import parse_discovery
+    from kvfence.app.serve.server import serve
+    from kvfence.app.serve.sizing import plan_pools, resolve_context
     from kvfence.engine.attention_backend import resolve_backend_name
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.compute import confine_to_one_intra_op_thread
@@ -167,6 +167,10 @@ def _serve(args: argparse.Namespace) -> int:
                                  cache_dir=checkpoint_cache(kvfence_home()),
                                  keep_blocks=config.workers.weights == "native")
     name = config.served_model_name or served_name(config.model)
+    if config.discovery is not None:
+        from kvfence.app.remote.front import serve_remote  # a front end of workers in other processes
+
+        return anyio.run(serve_remote, config, checkpoint, name)
     return anyio.run(serve, config, checkpoint, name, intra_op_threads)
 
 
@@ -176,9 +180,9 @@ def _worker(args: argparse.Namespace) -> int:
 
     import anyio
 
-    from kvfence.app.config import load_config
-    from kvfence.app.sizing import plan_pools, resolve_context
-    from kvfence.app.worker_process import check_worker_settings, run_worker
+    from kvfence.app.config.config import load_config
+    from kvfence.app.remote.worker_process import check_worker_settings, run_worker
+    from kvfence.app.serve.sizing import plan_pools, resolve_context
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import checkpoint_cache, pick_device, pick_dtype
@@ -218,8 +222,9 @@ def _check(args: argparse.Namespace) -> int:
     --clamp-context, if given), 1 with the fix printed when one does not."""
     import os
 
-    from kvfence.app.config import load_config
-    from kvfence.app.sizing import UndersizedPoolError, configured_context, plan_pools, render_table, resolve_context
+    from kvfence.app.config.config import load_config
+    from kvfence.app.serve.sizing import (UndersizedPoolError, configured_context, plan_pools, render_table,
+                                          resolve_context)
     from kvfence.engine.loading import pick_device, pick_dtype
     from kvfence.engine.model_registry import resolve_model
 
@@ -265,7 +270,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _api_key(args: argparse.Namespace) -> int:
-    from kvfence.app.api_keys import key_digest, new_key
+    from kvfence.app.api.keys import key_digest, new_key
     from kvfence.scheduler.core.tenants import Tenant
 
     Tenant(name=args.tenant)  # a bad name fails here, not when the server reads the file
@@ -282,7 +287,7 @@ def _probe(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from kvfence.app.probe import Prober, ok, report, table
+    from kvfence.app.tools.probe import Prober, ok, report, table
 
     opts = _options("probe", args)
     prober = Prober(args.url, opts.key, opts.other_key, opts.model, context=opts.context, timeout_s=opts.timeout_s)
@@ -298,14 +303,14 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _config_reference() -> int:
-    from kvfence.app.config import config_reference
+    from kvfence.app.config.config import config_reference
 
     print(config_reference(), end="")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvfence.app.status import status
+    from kvfence.app.tools.status import status
     from kvfence.transports.core.secret import DeploymentSecret
 
     opts = _options("status", args)
@@ -326,12 +331,12 @@ def _front_key(args: argparse.Namespace) -> int:
 
 
 def _options(command: str, args: argparse.Namespace) -> Any:
-    """`command`'s options (app/command_options.py) from its flags, the environment and its table
+    """`command`'s options (app/config/command_options.py) from its flags, the environment and its table
     of the --config file."""
     import os
 
-    from kvfence.app.command_options import load_options
-    from kvfence.app.config import read_config_file
+    from kvfence.app.config.command_options import load_options
+    from kvfence.app.config.config import read_config_file
 
     return load_options(command, vars(args), os.environ, read_config_file(args.config), args.config)
 
@@ -346,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvfence.engine.model_registry import FetchError
 
     if args.command in _RUNS_THE_MODEL:
-        from kvfence.app.environment import kernel_place
+        from kvfence.app.config.environment import kernel_place
         from kvfence.kernels.cpu import library
 
         library.use(kernel_place())

@@ -10,8 +10,8 @@ generated compact (no whitespace between tokens of the syntax), which keeps a sm
 wandering into whitespace.
 
 Compiling is where a grammar costs: a crafted schema can take seconds to minutes. So the front end
-bounds a schema's shape before anything else (app/grammar_bounds.py), then compiles it in a
-process it can kill (app/grammar_compiler.py: a time budget) and keeps the result per tenant.
+bounds a schema's shape before anything else (app/api/grammar_bounds.py), then compiles it in a
+process it can kill (app/api/grammar_compiler.py: a time budget) and keeps the result per tenant.
 What it compiled lives in this process as a `Compiled` (found by its `key`, which names the tenant
 and the text, while any request holds it): a worker in the same process takes it from there and
 never compiles. A worker in another process compiles the text the lease's first sampling step

@@ -19,7 +19,7 @@ from kvfence.engine.model_config import ModelConfig
 
 _MASK64 = (1 << 64) - 1
 SCRUB_MODES = ("poison", "zero")  # what --kv-scrub offers: no setting lets a freed page keep its bytes
-UNSCRUBBED = "off"  # freed pages keep their bytes: only with the scrub guard off (app/guards.py)
+UNSCRUBBED = "off"  # freed pages keep their bytes: only with the scrub guard off (app/serve/guards.py)
 # Finite on purpose: attention also touches the masked tail of a sequence's last page, and a NaN
 # there would poison correct results (0 * NaN = NaN); a large finite value is harmless when masked
 # and dominates the scores when read. Small enough that q.k stays finite in fp16.

@@ -76,7 +76,7 @@ class _Cut(Exception):
 class ModelRunner:
     def __init__(self, model: Model, pool: KVPool, sampler: Sampler | None = None, *,
                  owner_check: bool = True, sanitizer: KvSanitizer | None = None) -> None:
-        """`owner_check=False` (the owner-tag guard off, app/guards.py) exists only so benchmarks can
+        """`owner_check=False` (the owner-tag guard off, app/serve/guards.py) exists only so benchmarks can
         measure the check's cost. `sanitizer`: also check every slot a step reads against the lease
         that last wrote it, and record the step's writes (kv_sanitizer.py)."""
         if pool.config != model.config:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 class SendingEnd(Protocol):
     """The sending half of transfers: a prefill worker's paired sender (`LocalSendingEnd` in this
-    process, scheduler/remote_worker.py's `RemoteSendingEnd` in another). Transport's contracts."""
+    process, app/remote/client.py's `RemoteSendingEnd` in another). Transport's contracts."""
 
     async def push(self, manifest: TransferManifest, src_pages: list[int],
                    dst_pages: list[int]) -> TransferResult: ...
@@ -83,7 +83,7 @@ class LocalReceivingEnd:
 class TransferLink:
     """A paired sending and receiving end, the receiver incarnation they paired with, and the
     front end's key that signs each push's capability (None: pushes carry none, only with the
-    capability guard off, app/guards.py; a receiver that checks refuses them)."""
+    capability guard off, app/serve/guards.py; a receiver that checks refuses them)."""
 
     def __init__(self, sender: SendingEnd, receiver: ReceivingEnd, receiver_incarnation: str, page_size_tokens: int,
                  page_nbytes: int, front_key: FrontKey | None) -> None:

@@ -28,7 +28,7 @@ import anyio
 import msgspec
 import torch
 
-from kvfence.app.config import PoolsConfig
+from kvfence.app.config.config import PoolsConfig
 from kvfence.transports.base import PairingRecord, TransferManifest, TransportUnavailable
 from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import MAC_BYTES, PART_BYTES, DeploymentSecret

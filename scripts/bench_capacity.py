@@ -6,7 +6,7 @@ only pool / context of them run (4 with the default decode pool of 4 contexts); 
 pages with the sequence lets max_running of them run. Two measures:
 
   bookkeeping (default): the scheduler alone, no model step, on pools sized exactly as
-  `kvfence serve` sizes them by default for the model (app/sizing.py): submit --requests chat
+  `kvfence serve` sizes them by default for the model (app/serve/sizing.py): submit --requests chat
   prompts without max_tokens and count how many hold pages (running) and how many wait.
 
       .venv/bin/python scripts/bench_capacity.py --requests 64
@@ -32,9 +32,9 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Exp
 
 
 def bookkeeping(args: argparse.Namespace) -> None:
-    from kvfence.app.config import ServeConfig
-    from kvfence.app.environment import kvfence_home
-    from kvfence.app.sizing import plan_pools, resolve_context
+    from kvfence.app.config.config import ServeConfig
+    from kvfence.app.config.environment import kvfence_home
+    from kvfence.app.serve.sizing import plan_pools, resolve_context
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.model_registry import resolve_model
     from kvfence.engine.sampling import SamplingParams

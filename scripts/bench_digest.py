@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from kvfence.app.config import PoolsConfig
+from kvfence.app.config.config import PoolsConfig
 
 PAGE_NBYTES = 46_080 * PoolsConfig().page_size_tokens  # one fp32 page of the default model, default page size
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvfence.app.environment import kvfence_home
+from kvfence.app.config.environment import kvfence_home
 from kvfence.engine.grammar import LeaseGrammars
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.models.llama import LlamaModel

@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from kvfence.app.config.environment import kvfence_home
 from kvfence.engine.checkpoint import load_checkpoint
 from kvfence.engine.model_registry import resolve_model
-from kvfence.app.environment import kvfence_home
 
 SCHEMA = {
     "type": "object",

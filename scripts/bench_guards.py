@@ -5,10 +5,10 @@ side by side, taking turns.
 Both servers are the default one (disaggregated: a prefill and a decode worker in one process, the
 KV moved over tcp) with `--canary-interval 3600` (an idle server does nothing while the other is
 measured) and `--no-prefix-cache`, plus whatever flags follow `--`. Both are started through Python
-(`app/server.serve`, in a process of their own), one with `Guards()`, the other with `Guards.none()`:
+(`app/serve/server.serve`, in a process of their own), one with `Guards()`, the other with `Guards.none()`:
 no owner-tag check, no page digests, no push capabilities, no sealing (the same records in clear
 after the handshake), no scrub of freed pages. No flag, setting or variable can do that
-(app/guards.py): only code that assembles a server.
+(app/serve/guards.py): only code that assembles a server.
 
 Both load while the other loads, then warm up; then, --rounds times, each serves --requests
 streamed chat completions at --concurrency streams (scripts/bench_serve.py's `run_level`), the one
@@ -54,11 +54,11 @@ def serve_in_this_process(flags: list[str], guarded: bool) -> int:
 
     import anyio
 
-    from kvfence.app.config import ServeConfig, load_config
-    from kvfence.app.environment import kvfence_home
-    from kvfence.app.guards import Guards
-    from kvfence.app.server import serve
-    from kvfence.app.settings import add_flags
+    from kvfence.app.config.config import ServeConfig, load_config
+    from kvfence.app.config.environment import kvfence_home
+    from kvfence.app.config.settings import add_flags
+    from kvfence.app.serve.guards import Guards
+    from kvfence.app.serve.server import serve
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import checkpoint_cache

@@ -63,7 +63,7 @@ from pathlib import Path
 
 import httpx
 
-from kvfence.app.environment import kvfence_home
+from kvfence.app.config.environment import kvfence_home
 from kvfence.engine.model_registry import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

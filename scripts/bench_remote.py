@@ -35,9 +35,10 @@ import anyio
 import httpx
 import torch
 
-from kvfence.app.environment import kvfence_home
-from kvfence.app.pairing import role_record
-from kvfence.app.worker_server import KvEndpoint, WorkerServer
+from kvfence.app.config.environment import kvfence_home
+from kvfence.app.remote.client import RemoteWorker
+from kvfence.app.remote.server import KvEndpoint, WorkerServer
+from kvfence.app.serve.pairing import role_record
 from kvfence.engine.checkpoint import load_checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
@@ -46,7 +47,6 @@ from kvfence.engine.model_registry import resolve_model
 from kvfence.engine.protocol import RunStep
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.worker import LocalWorkerChannel, Worker
-from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.registry import create_transport

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from kvfence.app.config import PoolsConfig
-from kvfence.app.environment import kvfence_home
+from kvfence.app.config.config import PoolsConfig
+from kvfence.app.config.environment import kvfence_home
 from kvfence.engine.grammar import LeaseGrammars, grammar_spec
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.models.registry import build_model

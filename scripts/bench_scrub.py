@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kvfence.app.environment import kvfence_home
+from kvfence.app.config.environment import kvfence_home
 from kvfence.engine.checkpoint import read_config
 from kvfence.engine.kv_pool import SCRUB_MODES, UNSCRUBBED, KVPool
 from kvfence.engine.loading import DTYPES

@@ -45,7 +45,7 @@ import anyio
 import msgspec
 import torch
 
-from kvfence.app.config import PoolsConfig
+from kvfence.app.config.config import PoolsConfig
 from kvfence.engine.ids import id_hex, mint_id
 from kvfence.transports.base import PairingRecord, Peer, TransferManifest, Transport, TransportUnavailable
 from kvfence.transports.core.digest import page_digest

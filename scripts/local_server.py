@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 def write_keys(path: Path, tenants: list[str], admin: bool = False) -> dict[str, str]:
-    """A keys file (app/api_keys.py) of fresh keys for `tenants` (and an admin, under "admin"):
+    """A keys file (app/api/keys.py) of fresh keys for `tenants` (and an admin, under "admin"):
     their digests into `path`, the keys returned by name."""
     names = tenants + (["admin"] if admin else [])
     keys = {name: f"kvf-{secrets.token_hex(16)}" for name in names}

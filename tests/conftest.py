@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfence.app.environment import kernel_place, kvfence_home
+from kvfence.app.config.environment import kernel_place, kvfence_home
 from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
 from kvfence.engine.loading import checkpoint_cache
 from kvfence.engine.model_registry import resolve_model

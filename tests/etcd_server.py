@@ -12,7 +12,7 @@ import anyio
 import httpx
 import pytest
 
-from kvfence.app.membership import ETCD_ERRORS, registered_workers
+from kvfence.app.remote.membership import ETCD_ERRORS, registered_workers
 
 from ports import free_port
 

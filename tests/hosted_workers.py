@@ -10,8 +10,8 @@ import torch
 from front_keys import FRONT
 from serving_harness import compute_thread, make_worker
 
-from kvfence.app.pairing import role_record
-from kvfence.app.worker_server import KvEndpoint, WorkerServer
+from kvfence.app.remote.server import KvEndpoint, WorkerServer
+from kvfence.app.serve.pairing import role_record
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.worker import Worker
 from kvfence.transports.core.secret import DeploymentSecret

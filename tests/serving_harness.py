@@ -12,7 +12,7 @@ import torch
 from anyio.abc import TaskGroup
 from front_keys import FRONT
 
-from kvfence.app.pairing import pair_workers, role_record
+from kvfence.app.serve.pairing import pair_workers, role_record
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
@@ -22,9 +22,9 @@ from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.worker import Worker, LocalWorkerChannel
 from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.lifecycle import State
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
-from kvfence.scheduler.core.lifecycle import State
 from kvfence.transports.base import Transport
 from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret

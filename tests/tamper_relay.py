@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvfence.engine.remote.protocol import HANDSHAKE_LABEL
+from kvfence.app.remote.protocol import HANDSHAKE_LABEL
 from kvfence.transports.core.front_key import SIGNATURE_BYTES
 from kvfence.transports.core.secret import MAC_BYTES, PART_BYTES
 from kvfence.transports.wire.channel import split_address

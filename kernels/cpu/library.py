@@ -86,7 +86,7 @@ def _build(directory: Path, sources: tuple[Path, ...] = SOURCES) -> Path:
 @dataclasses.dataclass(frozen=True)
 class Place:
     """Where the library is built, and whether it may be used at all: the process decides, not
-    this package (the command line from KVFENCE_HOME and KVFENCE_CPU_KERNELS, app/environment.py
+    this package (the command line from KVFENCE_HOME and KVFENCE_CPU_KERNELS, app/config/environment.py
     `kernel_place`). Until a process says (`use`), the default cache folder, switched on."""
 
     cache_dir: Path = Path.home() / ".cache" / "kvfence" / "cache" / "kernels"

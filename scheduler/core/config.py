@@ -1,7 +1,7 @@
 """Scheduler settings: the `[scheduler]` table a user sets, and the config the scheduler runs with.
 
 `SchedulerSettings` declares what a user sets, each a `knob`: its default, meaning and bounds as
-plain field metadata, from which app/settings.py makes its flag, KVFENCE_* variable and TOML key
+plain field metadata, from which app/config/settings.py makes its flag, KVFENCE_* variable and TOML key
 and checks a value (this package imports nothing of the app). `SchedulerConfig` adds what the
 server binds at start (`SchedulerSettings.bind`): the pools' page size, the served context, the
 mode and the prefill chunk for the prefill device.
@@ -27,7 +27,7 @@ CONTENDED_CHUNK_TOKENS_BY_DEVICE = {"cpu": 32}
 
 def knob(default: Any, help: str, **bounds: float) -> Any:
     """A field a user sets: `default`, `help` (its meaning) and `bounds` (`above`, `at_least`,
-    `at_most`), in the metadata app/settings.py declares settings with."""
+    `at_most`), in the metadata app/config/settings.py declares settings with."""
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
@@ -80,7 +80,7 @@ class SchedulerSettings:
 class SchedulerConfig(SchedulerSettings):
     """What the scheduler takes. Built by `SchedulerSettings.bind` when serving; tests build it directly."""
 
-    page_size_tokens: int  # the pools' page size (app/config.py PoolsConfig)
+    page_size_tokens: int  # the pools' page size (app/config/config.py PoolsConfig)
     max_context_tokens: int = 8192  # the effective limit (already min'ed with model and pools)
     disaggregated: bool = True
     chunk_tokens: int = CHUNK_TOKENS_ELSEWHERE  # prefill tokens per step, resolved (chunk_tokens_for)

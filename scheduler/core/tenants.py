@@ -1,7 +1,7 @@
 """Tenants as the scheduler sees them: a name every request carries (each lease belongs to one
 request), and the limits admission holds it to.
 
-The tenant comes from the authenticated API key (app/api_keys.py), never from a request body. The
+The tenant comes from the authenticated API key (app/api/keys.py), never from a request body. The
 core counts each tenant's queued and running requests (`TenantLoad`, kept where states change) and
 its tokens (`TokenBucket`); time comes in with every call, as everywhere in the core.
 """

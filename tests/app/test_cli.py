@@ -82,9 +82,9 @@ def test_fetch_failure_names_the_step(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("command", ["serve", "check"])
 def test_help_comes_from_the_declarations(command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvfence.app import settings
     from kvfence.app.cli import main
-    from kvfence.app.config import ServeConfig
+    from kvfence.app.config import settings
+    from kvfence.app.config.config import ServeConfig
 
     with pytest.raises(SystemExit):
         main([command, "--help"])
@@ -95,7 +95,7 @@ def test_help_comes_from_the_declarations(command: str, capsys: pytest.CaptureFi
 
 def test_config_reference_prints_the_generated_table(capsys: pytest.CaptureFixture[str]) -> None:
     from kvfence.app.cli import main
-    from kvfence.app.config import config_reference
+    from kvfence.app.config.config import config_reference
 
     assert main(["config-reference"]) == 0
     assert capsys.readouterr().out == config_reference()

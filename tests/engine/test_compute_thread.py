@@ -89,7 +89,7 @@ def test_rejects_a_team_of_zero() -> None:
 
 
 def test_only_the_compute_thread_keeps_a_team() -> None:
-    """The server's set-up (cli._serve, app/server.serve), in a fresh process: the event loop's
+    """The server's set-up (cli._serve, app/serve/server.serve), in a fresh process: the event loop's
     thread and threads started later run torch single-threaded; the compute thread keeps its team."""
     code = textwrap.dedent("""
         import threading, torch

@@ -1,4 +1,4 @@
-"""Workers behind real control connections (app/worker_server.py <-> scheduler/remote_worker.py),
+"""Workers behind real control connections (app/remote/server.py <-> app/remote/client.py),
 in this process on loopback sockets: steps and both halves of every transfer cross the control
 channel, KV crosses a real tcp transport between the workers' own endpoints.
 
@@ -22,19 +22,19 @@ from hosted_workers import MODEL_ID, PAGE, PAGES, Hosted, host_pair
 from flood import FLOOD, connect, enough_descriptors
 from serving_harness import wait_idle
 
-from kvfence.app.remote_front import WorkerSetError, check_worker, pair_remote
-from kvfence.app.readiness import greedy_answer
+from kvfence.app.remote.client import RemoteWorker
+from kvfence.app.remote.front import WorkerSetError, check_worker, pair_remote
+from kvfence.app.serve.readiness import greedy_answer
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.models.registry import build_model
+from kvfence.engine.protocol import PageGrant, RunStep, SeqStep, StepDone, WorkerLost
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.offline import OfflineEngine
-from kvfence.engine.protocol import PageGrant, RunStep, SeqStep, StepDone, WorkerLost
-from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.core.secret import DeploymentSecret
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], list(range(30, 52))]

@@ -17,14 +17,14 @@ from hosted_workers import MODEL_ID, PAGE, PAGES, host_pair
 from front_keys import FRONT
 from tamper_relay import TO_CONNECTOR, TO_LISTENER, TamperingRelay, keylog_in_use
 
-from kvfence.app.remote_front import check_worker, pair_remote
+from kvfence.app.remote.client import RemoteWorker
+from kvfence.app.remote.front import check_worker, pair_remote
+from kvfence.app.remote.protocol import HANDSHAKE_LABEL, PREFIX_BYTES
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.protocol import WorkerLost
-from kvfence.engine.remote.protocol import HANDSHAKE_LABEL, PREFIX_BYTES
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
-from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.base import PairingRefused
 from kvfence.transports.core.secret import DeploymentSecret
 

@@ -1,4 +1,4 @@
-"""Liveness of the control channel (engine/remote/protocol.py): a worker that falls silent (the
+"""Liveness of the control channel (app/remote/protocol.py): a worker that falls silent (the
 network between goes quiet, as in a partition; its process is stopped) is lost within the worker
 timeout, and one whose device is stuck (it answers pings but not a step) within the call
 deadline. Either way the request on it ends with `worker_lost` and no token after that, the
@@ -19,13 +19,13 @@ from front_keys import FRONT
 from hosted_workers import MODEL_ID, PAGE, PAGES, Hosted, host_pair
 from serving_harness import wait_idle
 
-from kvfence.app.remote_front import check_worker, pair_remote
+from kvfence.app.remote import client
+from kvfence.app.remote.client import RemoteWorker
+from kvfence.app.remote.front import check_worker, pair_remote
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
-from kvfence.scheduler import remote_worker
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.driver import Scheduler
-from kvfence.scheduler.remote_worker import RemoteWorker
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.wire.channel import split_address
 
@@ -170,7 +170,7 @@ async def test_a_worker_whose_step_never_returns_is_lost_at_the_call_deadline(
         tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Its device is stuck: it answers every ping, but a step never comes back."""
     caplog.set_level(logging.WARNING)
-    monkeypatch.setattr(remote_worker, "CALL_DEADLINE_S", 3 * TIMEOUT_S)
+    monkeypatch.setattr(client, "CALL_DEADLINE_S", 3 * TIMEOUT_S)
     secret = DeploymentSecret.generate()
     stuck, release = threading.Event(), threading.Event()
     async with anyio.create_task_group() as tg:

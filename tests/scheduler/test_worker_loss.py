@@ -1,5 +1,5 @@
 """Several workers per role behind real control connections (tests/hosted_workers.py), driven
-through the front end's Fleet (app/remote_front.py): every prefill worker pairs with every decode
+through the front end's Fleet (app/remote/front.py): every prefill worker pairs with every decode
 worker, the router spreads requests over the pairs, and a decode worker that dies mid-stream ends
 only what it served — requests that had sent tokens fail with 503 worker_lost, requests that had
 not are retried once on the surviving pair and answer exactly — while the survivors' pages return
@@ -17,17 +17,17 @@ from front_keys import FRONT
 from hosted_workers import CONTEXT, MODEL_ID, PAGE, PAGES, Hosted, host_pair
 from serving_harness import wait_idle
 
-from kvfence.app.remote_front import Fleet
+from kvfence.app.remote.front import Fleet
 from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.models.registry import build_model
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.config import SchedulerConfig
+from kvfence.scheduler.core.lifecycle import State
 from kvfence.scheduler.driver import Scheduler
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.offline import OfflineEngine
-from kvfence.scheduler.core.lifecycle import State
 from kvfence.transports.core.secret import DeploymentSecret
 
 LONG = [list(range(5 + i, 12 + i)) for i in range(4)]  # short prompts that decode for long

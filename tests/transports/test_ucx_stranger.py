@@ -9,7 +9,7 @@ Sealing the pairing cannot close that, and UCX's settings do not either: with tc
 turned off (`UCX_TCP_PUT_ENABLE=n`, both sides) UCX emulates PUT and GET in software and they land
 as before. The outcome, enforced:
 `--transport nixl` runs only with the operator's consent, as mooncake does
-(`tests/app/test_config.py::test_transport_endpoint_options`, `tests/app/test_cli.py`)."""
+(`tests/app/config/test_config.py::test_transport_endpoint_options`, `tests/app/test_cli.py`)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class Endpoint(Transport):
     call `_register` from `start`. `secret`: the deployment's (core/secret.py), which peers prove;
     `front_key`: the front end's public key (core/front_key.py); the receiver checks
     every capability with it against this endpoint's incarnation (`capabilities=False`: it checks
-    none, only with the capability guard off, app/guards.py)."""
+    none, only with the capability guard off, app/serve/guards.py)."""
 
     _closed: bool  # set by aclose: nothing new starts
 

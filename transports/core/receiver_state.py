@@ -7,7 +7,7 @@ Per transfer id:  EXPECTED --admit--> RECEIVING --finish/abort--> FINISHED
 `admit` decides whether a push may land in the pool: only an EXPECTED transfer whose manifest
 (transfer_id, lease, nonce, num_pages, num_tokens, capability), page size and dst pages equal what
 was expected. With a `capability` check (every endpoint has one: the front end's signature, see
-core/front_key.py; none with the capability guard off, app/guards.py), `expect` refuses a manifest
+core/front_key.py; none with the capability guard off, app/serve/guards.py), `expect` refuses a manifest
 whose capability does not verify for its dst pages,
 and `admit` refuses such a push ("capability") before anything else (a push identical to the
 expectation it names, capability and dst pages included, was verified at `expect`: the signature is

@@ -19,7 +19,7 @@ direction, fresh for every connection, known to nobody but the two ends, so a re
 the handshake can neither read nor write what follows, even one that holds the secret.
 
 Registrations: a worker's etcd registration carries a MAC over its key and value
-(app/membership.py), so a front end dials only workers of its own deployment.
+(app/remote/membership.py), so a front end dials only workers of its own deployment.
 
 Every holder of the secret can do all of the above, so what only a front end may do (mint a push's
 capability, drive a worker over its control channel) is signed with a key workers do not hold

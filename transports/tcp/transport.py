@@ -75,7 +75,7 @@ class TcpTransport(ListeningEndpoint):
         """`host`/`port`: where it listens (loopback unless told otherwise; 0: an ephemeral port).
         `secret`, `handshake_timeout_s`, `keepalive_s`, `max_connections`, `max_unauthenticated`,
         `sealed`: see ListeningEndpoint; `capabilities`: see Endpoint (False only with the guard
-        off, app/guards.py)."""
+        off, app/serve/guards.py)."""
         super().__init__(host, port, secret=secret, front_key=front_key, handshake_timeout_s=handshake_timeout_s,
                          keepalive_s=keepalive_s, max_connections=max_connections,
                          max_unauthenticated=max_unauthenticated, sealed=sealed, capabilities=capabilities,

@@ -70,7 +70,7 @@ class Channel:
         self._frame(Sealer(send_key), Opener(recv_key))
 
     def frame_in_clear(self) -> None:
-        """Instead of `seal`, with the sealing guard off (app/guards.py; benchmarks only): from now on
+        """Instead of `seal`, with the sealing guard off (app/serve/guards.py; benchmarks only): from now on
         every byte travels in the same records, unencrypted and unauthenticated."""
         self._frame(Sealer.in_clear(), Opener.in_clear())
 

@@ -24,7 +24,7 @@ only its public half, takes steps only over a connection whose connector signed 
 transcript, so a worker host cannot pose as a front end, and a relay that swapped either ephemeral
 key breaks the signature.
 
-With the sealing guard off (`sealed=False`, app/guards.py: only a server assembled in code, to
+With the sealing guard off (`sealed=False`, app/serve/guards.py: only a server assembled in code, to
 measure what sealing costs) the handshake still authenticates both ends, under a label of its own
 (so an unsealed end never pairs with a sealed one), and the channel then carries the same records
 in clear (seal.py `in_clear`).

@@ -41,7 +41,7 @@ class ListeningEndpoint(Endpoint):
     closed (keepalive.py). `max_connections`: authenticated connections open at once; one more is
     closed after its handshake. `max_unauthenticated`: connections not yet authenticated, counted
     apart (pending.py): one more closes the oldest of them. `sealed=False`: its connections are
-    authenticated but not sealed (handshake.py), only with the sealing guard off (app/guards.py)."""
+    authenticated but not sealed (handshake.py), only with the sealing guard off (app/serve/guards.py)."""
 
     _messages: ClassVar[Any]
     _max_hello_bytes: ClassVar[int]

@@ -16,7 +16,7 @@ Records are at most `RECORD_MAX` bytes of plaintext; a longer message spans seve
 does I/O: `Sealer` and `Opener` turn plaintext into records and back (wire/channel.py moves them).
 
 `Sealer.in_clear()` and `Opener.in_clear()` frame the same records without encrypting or checking
-them (a tag of zeros): only for a server whose sealing guard is off (app/guards.py), to measure
+them (a tag of zeros): only for a server whose sealing guard is off (app/serve/guards.py), to measure
 what sealing costs.
 """
 
@@ -83,7 +83,7 @@ class _Direction:
 
     @classmethod
     def in_clear(cls) -> Self:
-        """This direction's records unencrypted and unauthenticated: the sealing guard off (app/guards.py)."""
+        """This direction's records unencrypted and unauthenticated: the sealing guard off (app/serve/guards.py)."""
         direction = cls.__new__(cls)
         direction._aead, direction._seq = _InClear(), 0
         return direction

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfence.app.environment import cpu_kernels_setting, kernel_place, kvfence_home
+from kvfence.app.config.environment import cpu_kernels_setting, kernel_place, kvfence_home
 from kvfence.engine.linear import Linear
 from kvfence.kernels.cpu import gemm as cpu_gemm, library as cpu_kernels
 

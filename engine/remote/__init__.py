@@ -1,1 +1,0 @@
-"""What a worker in another process speaks with its scheduler (protocol.py)."""
