@@ -10,7 +10,8 @@ an error, a timeout or silence is a failure.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -24,24 +25,39 @@ from kvfence.transports.core.front_key import FrontKey
 log = logging.getLogger(__name__)
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def waits_on_transfer(method: _F) -> _F:
+    """Marks a method of a half that waits on the network and the other worker, bounded by the
+    transfer's own timeout and quarantine, not by a worker's call deadline (app/remote/client.py)."""
+    method.waits_on_transfer = True  # type: ignore[attr-defined]  # a mark app/remote/ends.py reads
+    return method
+
+
 class SendingEnd(Protocol):
     """The sending half of transfers: a prefill worker's paired sender (`LocalSendingEnd` in this
-    process, app/remote/client.py's `RemoteSendingEnd` in another). Transport's contracts."""
+    process; in another, these declarations made calls on its control connection by
+    app/remote/ends.py). Transport's contracts. Every argument and return value is a type the
+    control connection carries (msgspec)."""
 
+    @waits_on_transfer
     async def push(self, manifest: TransferManifest, src_pages: list[int],
                    dst_pages: list[int]) -> TransferResult: ...
 
     async def cancel(self, transfer_id: str) -> bool: ...
 
+    @waits_on_transfer
     async def wait_quiet(self, transfer_id: str) -> bool: ...
 
 
 class ReceivingEnd(Protocol):
-    """The receiving half: a decode worker's receiver (`LocalReceivingEnd`, `RemoteReceivingEnd`).
-    `expect` raises ValueError when it refuses to arm."""
+    """The receiving half: a decode worker's receiver (`LocalReceivingEnd`, or made remote as
+    SendingEnd is). `expect` raises ValueError when it refuses to arm."""
 
     async def expect(self, manifest: TransferManifest, dst_pages: list[int]) -> None: ...
 
+    @waits_on_transfer
     async def completion(self, transfer_id: str) -> TransferResult: ...
 
     async def cancel(self, transfer_id: str) -> bool: ...

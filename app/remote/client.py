@@ -2,9 +2,9 @@
 (app/remote/protocol.py) carrying its steps and its halves of every KV transfer.
 
 `RemoteWorker` is a `WorkerChannel` (engine/protocol.py): steps go out in the order `call` was
-entered, on one connection, and the worker runs them in that order. `RemoteSendingEnd` and
-`RemoteReceivingEnd` are the transfer halves scheduler/transfer.py drives, run on the prefill and
-the decode worker. A call on a connection that is gone raises `WorkerLost`; so does every call
+entered, on one connection, and the worker runs them in that order. The transfer halves
+scheduler/transfer.py drives, run on the prefill and the decode worker, go through its `ask`
+(app/remote/ends.py). A call on a connection that is gone raises `WorkerLost`; so does every call
 waiting when it goes.
 
 Liveness (app/remote/protocol.py): a worker heard from by nothing for `timeout_s` (it was
@@ -24,20 +24,19 @@ import anyio
 import anyio.abc
 
 from kvfence.app.config.config import DEFAULT_WORKER_TIMEOUT_S, MAX_WORKER_TIMEOUT_S
+from kvfence.app.remote.ends import waits_on_transfer
 from kvfence.app.remote.protocol import (
-    CALL_DEADLINE_S, HANDSHAKE_LABEL, PREFIX_BYTES, Answer, AnswerBody, Arm, AwaitVerdict, Call, CallBody, Cancel, Cut,
-    Describe, Description, Done, Failure, Paired, PairWith, Ping, Push, Reference, Tokens, Verdict, WaitQuiet,
-    body_length, decode_answer, frame,
+    CALL_DEADLINE_S, HANDSHAKE_LABEL, PREFIX_BYTES, Answer, AnswerBody, Call, CallBody, Cut, Describe, Description,
+    EndCall, Paired, PairWith, Ping, Reference, Tokens, body_length, decode_answer, failure_message, frame,
 )
 from kvfence.engine.protocol import RunStep, StepDone, StepFailed, WorkerLost, WorkerReply
-from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, TransferManifest, TransferResult
+from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused
 from kvfence.transports.core.front_key import FrontKey
 from kvfence.transports.core.secret import DeploymentSecret
 from kvfence.transports.wire.channel import Channel, ConnectionGone, connect, split_address
 from kvfence.transports.wire.handshake import authenticate_as_connector
 
 log = logging.getLogger(__name__)
-_TRANSFER_CALLS = (Push, AwaitVerdict, WaitQuiet)  # bounded by the transfer, not by CALL_DEADLINE_S
 
 
 class _Waiting:
@@ -89,7 +88,7 @@ class RemoteWorker:
         answer = await worker.ask(Describe())
         if not isinstance(answer, Description):
             worker.close()
-            raise WorkerLost(f"worker at {address}: {_message(answer)}")
+            raise WorkerLost(f"worker at {address}: {failure_message(answer)}")
         worker.description = answer
         return worker
 
@@ -108,7 +107,7 @@ class RemoteWorker:
         answer = await self.ask(request)
         if isinstance(answer, StepDone | StepFailed):
             return answer
-        return StepFailed(step_id=request.step_id, message=_message(answer))
+        return StepFailed(step_id=request.step_id, message=failure_message(answer))
 
     async def cut(self, step_id: int) -> None:
         """`WorkerChannel.cut`: a call of its own, answered beside the step it names."""
@@ -118,7 +117,7 @@ class RemoteWorker:
         """The greedy continuation of `prompt` on the worker's model alone (the readiness canary's answer)."""
         answer = await self.ask(Reference(prompt, max_tokens))
         if not isinstance(answer, Tokens):
-            raise RuntimeError(f"worker at {self.address}: {_message(answer)}")
+            raise RuntimeError(f"worker at {self.address}: {failure_message(answer)}")
         return answer.token_ids
 
     async def pair_with(self, endpoint: EndpointInfo) -> PairingRecord:
@@ -126,21 +125,22 @@ class RemoteWorker:
         PairingRefused when the two disagree on the bytes."""
         answer = await self.ask(PairWith(endpoint))
         if not isinstance(answer, Paired):
-            raise PairingRefused(_message(answer).removeprefix("pairing refused: "))
+            raise PairingRefused(failure_message(answer).removeprefix("pairing refused: "))
         return answer.record
 
     async def ask(self, body: CallBody) -> AnswerBody:
         """Send one call and wait for its answer. WorkerLost if the connection is (or goes) away,
         or the answer to a step or a control call does not come within CALL_DEADLINE_S (the worker
-        is then lost). A transfer's calls (`Push`, `AwaitVerdict`, `WaitQuiet`) wait on the network
-        and on the other worker, as long as the transfer's own timeout and quarantine say: only
-        the keep-alive bounds them."""
+        is then lost). A transfer's calls whose method waits on the transfer (scheduler/transfer.py
+        `waits_on_transfer`: a push, a verdict, quiet) wait on the network and on the other
+        worker, as long as the transfer's own timeout and quarantine say: only the keep-alive
+        bounds them."""
         if self.lost.is_set():
             raise WorkerLost(f"the control connection to {self.address} is gone")
         call_id, waiting = next(self._ids), _Waiting()
         self._waiting[call_id] = waiting
         try:
-            bound_s = math.inf if isinstance(body, _TRANSFER_CALLS) else CALL_DEADLINE_S
+            bound_s = math.inf if isinstance(body, EndCall) and waits_on_transfer(body) else CALL_DEADLINE_S
             with anyio.move_on_after(bound_s) as deadline:
                 try:
                     async with self.channel.send_lock:
@@ -202,59 +202,3 @@ class RemoteWorker:
 
     def close(self) -> None:
         self._gone(None)
-
-
-class RemoteSendingEnd:
-    """The sending half of a transfer, run on a remote prefill worker, to the receiver it paired
-    with at endpoint address `receiver`."""
-
-    def __init__(self, worker: RemoteWorker, receiver: str) -> None:
-        self.worker = worker
-        self.receiver = receiver
-
-    async def push(self, manifest: TransferManifest, src_pages: list[int], dst_pages: list[int]) -> TransferResult:
-        answer = await self.worker.ask(Push(manifest=manifest, src_pages=src_pages, dst_pages=dst_pages,
-                                            receiver=self.receiver))
-        if isinstance(answer, Verdict):
-            return TransferResult(manifest.transfer_id, answer.ok, answer.reason)
-        return TransferResult(manifest.transfer_id, False, _message(answer))
-
-    async def cancel(self, transfer_id: str) -> bool:
-        return await _acknowledged(self.worker, Cancel(transfer_id))
-
-    async def wait_quiet(self, transfer_id: str) -> bool:
-        return await _acknowledged(self.worker, WaitQuiet(transfer_id))
-
-
-class RemoteReceivingEnd:
-    """The receiving half of a transfer, run on a remote decode worker (its receiver)."""
-
-    def __init__(self, worker: RemoteWorker) -> None:
-        self.worker = worker
-
-    async def expect(self, manifest: TransferManifest, dst_pages: list[int]) -> None:
-        answer = await self.worker.ask(Arm(manifest, dst_pages))
-        if not isinstance(answer, Done):
-            raise ValueError(_message(answer))
-
-    async def completion(self, transfer_id: str) -> TransferResult:
-        answer = await self.worker.ask(AwaitVerdict(transfer_id))
-        if isinstance(answer, Verdict):
-            return TransferResult(transfer_id, answer.ok, answer.reason)
-        return TransferResult(transfer_id, False, _message(answer))
-
-    async def cancel(self, transfer_id: str) -> bool:
-        return await _acknowledged(self.worker, Cancel(transfer_id))
-
-
-async def _acknowledged(worker: RemoteWorker, body: Cancel | WaitQuiet) -> bool:
-    """True only on the worker's own acknowledgement; a lost worker acknowledges nothing."""
-    try:
-        answer = await worker.ask(body)
-    except WorkerLost:
-        return False
-    return isinstance(answer, Done) and answer.ok
-
-
-def _message(answer: AnswerBody) -> str:
-    return answer.message if isinstance(answer, Failure) else f"unexpected answer {type(answer).__name__}"

@@ -24,7 +24,8 @@ import anyio
 import torch
 
 from kvfence.app.config.config import DEFAULT_WORKER_TIMEOUT_S, ServeConfig
-from kvfence.app.remote.client import RemoteReceivingEnd, RemoteSendingEnd, RemoteWorker
+from kvfence.app.remote.client import RemoteWorker
+from kvfence.app.remote.ends import remote_receiving_end, remote_sending_end
 from kvfence.app.remote.discovery import Discovery, parse_discovery
 from kvfence.app.remote.membership import TTL_S, Registration, find_workers, watch_workers
 from kvfence.app.remote.protocol import PROTOCOL_VERSION
@@ -106,8 +107,8 @@ async def pair_remote(prefill: RemoteWorker, decode: RemoteWorker, page_size_tok
     assert endpoint is not None
     record = await prefill.pair_with(endpoint)
     context = min(prefill.description.max_context_tokens, record.max_context_tokens)
-    link = TransferLink(RemoteSendingEnd(prefill, endpoint.address), RemoteReceivingEnd(decode), record.incarnation,
-                        page_size_tokens, record.page_nbytes, front_key)
+    link = TransferLink(remote_sending_end(prefill.ask, endpoint.address), remote_receiving_end(decode.ask),
+                        record.incarnation, page_size_tokens, record.page_nbytes, front_key)
     log.info("paired the prefill worker at %s -> the decode worker at %s over %s (%s); context limits %d and %d "
              "tokens, serving %d", prefill.address, decode.address, endpoint.transport, endpoint.address,
              prefill.description.max_context_tokens, record.max_context_tokens, context)

@@ -12,10 +12,12 @@ Ordering (the contract of engine/protocol.py's `WorkerChannel`): the worker runs
 order they arrived, one at a time; every other call runs beside them (a transfer waits for the
 network, never for a step) and is answered when it is done, so answers may come out of order.
 
-Transfer calls are the halves of scheduler/transfer.py's move, run where the endpoint lives: the
-decode worker arms its receiver (`Arm`) and reports the verdict (`AwaitVerdict`); the prefill
-worker pushes to one of the receivers it paired with (`Push`) and waits for quiet (`WaitQuiet`); both
-cancel (`Cancel`). The capability of each push is minted by the scheduler, as in one process.
+Transfer calls are the halves of scheduler/transfer.py's move, run where the endpoint lives: one
+message (`EndCall`) carries any method of the two halves' declarations (scheduler/transfer.py's
+SendingEnd and ReceivingEnd), built from those declarations (app/remote/ends.py): the decode
+worker arms its receiver and reports the verdict, the prefill worker pushes to one of the
+receivers it paired with and waits for quiet, both cancel. The capability of each push is minted
+by the scheduler, as in one process.
 
 Liveness: the scheduler sends `Ping` whenever it has heard nothing for a quarter of its worker
 timeout and declares the worker lost when it hears nothing for the whole of it, or when a step or
@@ -27,19 +29,20 @@ a control call (not a transfer's: those wait on the network) stays unanswered pa
 from __future__ import annotations
 
 import struct
-from typing import TypeAlias
+from typing import Literal, TypeAlias
 
 import msgspec
 
 from kvfence.app.config.config import MAX_WORKER_TIMEOUT_S
 from kvfence.engine.protocol import RunStep, StepDone, StepFailed
-from kvfence.transports.base import EndpointInfo, PairingRecord, TransferManifest
+from kvfence.transports.base import EndpointInfo, PairingRecord
 
 HANDSHAKE_LABEL = "control"  # the handshake's transport label: a control proof is not a KV transport's
 # The control protocol's version, in every `Description`: raised whenever a call or an answer is
 # added or changes, because a worker drops the connection on a frame it cannot decode. A front end
-# drives workers of its own version only (app/remote/front.py: check_worker). 2: `Cut`.
-PROTOCOL_VERSION = 2
+# drives workers of its own version only (app/remote/front.py: check_worker). 2: `Cut`; 3: every
+# transfer call is an `EndCall`.
+PROTOCOL_VERSION = 3
 MAX_CONTROL_FRAME = 64 << 20  # bytes of one frame's body (a prefill chunk, its grants and pages)
 _LEN = struct.Struct(">I")
 CALL_DEADLINE_S = 120.0  # a call unanswered this long, while pings are answered: a stuck device
@@ -78,41 +81,17 @@ class Paired(msgspec.Struct, frozen=True, tag="paired"):
     record: PairingRecord  # the receiver's record, as the sender saw it at pairing
 
 
-class Arm(msgspec.Struct, frozen=True, tag="arm"):
-    """Decode worker: allow exactly this push into `dst_pages` (Transport.expect). `Done` or `Failure`."""
+class EndCall(msgspec.Struct, frozen=True, tag="end_call"):
+    """A method of one half of a transfer (scheduler/transfer.py's SendingEnd or ReceivingEnd),
+    run on the worker against its own half: `method` names a method the half's declaration has,
+    `args` are its arguments as that declaration types them (app/remote/ends.py); `receiver`: the
+    endpoint address of the receiver a sending half pushes to (one the worker paired with).
+    `EndReturn`, or `Failure`."""
 
-    manifest: TransferManifest
-    dst_pages: list[int]
-
-
-class AwaitVerdict(msgspec.Struct, frozen=True, tag="await_verdict"):
-    """Decode worker: the armed transfer's verdict once it has one (Transport.completion). `Verdict`."""
-
-    transfer_id: str
-
-
-class Push(msgspec.Struct, frozen=True, tag="push"):
-    """Prefill worker: push `src_pages` into `dst_pages` of the receiver it paired with at endpoint
-    address `receiver` (Transport.push). `Verdict`; when it is answered, the sender no longer reads
-    `src_pages` (or it says so)."""
-
-    manifest: TransferManifest
-    src_pages: list[int]
-    dst_pages: list[int]
-    receiver: str
-
-
-class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
-    """Either side: stop the transfer here (Transport.cancel). `Done(ok=acknowledged)`."""
-
-    transfer_id: str
-
-
-class WaitQuiet(msgspec.Struct, frozen=True, tag="wait_quiet"):
-    """Prefill worker, after an unacknowledged cancel: `Done(ok=True)` once nothing it posted can
-    still land or read (Transport.wait_quiet); `Done(ok=False)`: that can no longer be learnt."""
-
-    transfer_id: str
+    end: Literal["sending", "receiving"]
+    method: str
+    args: msgspec.Raw
+    receiver: str = ""
 
 
 class Cut(msgspec.Struct, frozen=True, tag="cut"):
@@ -135,9 +114,10 @@ class Reference(msgspec.Struct, frozen=True, tag="reference"):
     max_tokens: int
 
 
-class Verdict(msgspec.Struct, frozen=True, tag="verdict"):
-    ok: bool
-    reason: str = ""
+class EndReturn(msgspec.Struct, frozen=True, tag="end_return"):
+    """What an `EndCall`'s method returned, as its declaration types it."""
+
+    value: msgspec.Raw
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):
@@ -154,8 +134,13 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     message: str
 
 
-CallBody: TypeAlias = RunStep | Describe | PairWith | Arm | AwaitVerdict | Push | Cancel | WaitQuiet | Reference | Ping | Cut
-AnswerBody: TypeAlias = StepDone | StepFailed | Description | Paired | Verdict | Done | Tokens | Failure
+def failure_message(answer: object) -> str:
+    """What went wrong, from an answer that is not the one a call expects."""
+    return answer.message if isinstance(answer, Failure) else f"unexpected answer {type(answer).__name__}"
+
+
+CallBody: TypeAlias = RunStep | Describe | PairWith | EndCall | Reference | Ping | Cut
+AnswerBody: TypeAlias = StepDone | StepFailed | Description | Paired | EndReturn | Done | Tokens | Failure
 
 
 class Call(msgspec.Struct, frozen=True):

@@ -33,17 +33,18 @@ import msgspec
 import torch
 from anyio.abc import TaskGroup
 
+from kvfence.app.remote.ends import decoded, invoke, transfer_id
 from kvfence.app.remote.protocol import (
-    HANDSHAKE_LABEL, PREFIX_BYTES, PROTOCOL_VERSION, SCHEDULER_SILENCE_S, Answer, AnswerBody, Arm, AwaitVerdict, Call,
-    Cancel, Cut, Describe, Description, Done, Failure, Paired, PairWith, Ping, Push, Reference, Tokens, Verdict,
-    WaitQuiet, body_length, decode_call, frame,
+    HANDSHAKE_LABEL, PREFIX_BYTES, PROTOCOL_VERSION, SCHEDULER_SILENCE_S, Answer, AnswerBody, Call, Cut, Describe,
+    Description, Done, EndCall, Failure, Paired, PairWith, Ping, Reference, Tokens, body_length, decode_call, frame,
 )
 from kvfence.app.serve.readiness import greedy_answer
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.protocol import RunStep
 from kvfence.engine.tokenizer import Tokenizer
 from kvfence.engine.worker import Worker
-from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, Peer, Transport
+from kvfence.scheduler.transfer import LocalReceivingEnd, LocalSendingEnd
+from kvfence.transports.base import EndpointInfo, PairingRecord, PairingRefused, Peer, TransferResult, Transport
 from kvfence.transports.core.front_key import FrontPublicKey
 from kvfence.transports.core.secret import AuthenticationFailed, DeploymentSecret
 from kvfence.transports.wire.channel import Channel, ConnectionGone, accept_forever
@@ -257,34 +258,32 @@ class WorkerServer:
                 except PairingRefused as e:
                     return Failure(f"pairing refused: {e}")
                 return Paired(peer.info.record)
-            case Arm(manifest, dst_pages):
-                self._active.add(manifest.transfer_id)
-                transport.expect(manifest, dst_pages)
-                return Done()
-            case AwaitVerdict(transfer_id):
-                result = await transport.completion(transfer_id)
-                self._active.discard(transfer_id)
-                return Verdict(result.ok, result.reason)
-            case Push(manifest, src_pages, dst_pages, receiver):
-                target = endpoint.peers.get(receiver)
-                if target is None:
-                    return Verdict(False, f"the prefill worker is not paired with a receiver at {receiver}")
-                self._active.add(manifest.transfer_id)
-                result = await transport.push(target, manifest, src_pages, dst_pages)
-                if result.ok:
-                    self._active.discard(manifest.transfer_id)
-                return Verdict(result.ok, result.reason)
-            case Cancel(transfer_id):
-                acked = await transport.cancel(transfer_id)
-                if acked and self.worker.role == "decode":
-                    self._active.discard(transfer_id)
-                return Done(acked)
-            case WaitQuiet(transfer_id):
-                quiet = await transport.wait_quiet(transfer_id)
-                if quiet:
-                    self._active.discard(transfer_id)
-                return Done(quiet)
+            case EndCall():
+                return await self._end_call(endpoint, body)
         return Failure(f"the worker does not take {type(body).__name__}")
+
+    async def _end_call(self, endpoint: KvEndpoint, call: EndCall) -> AnswerBody:
+        """Run a transfer call against this worker's own half (app/remote/ends.py), and keep
+        `_active`: a transfer is unsettled from its arming or push until its verdict, its push
+        succeeding, or its cancel acknowledged (receiver) or quiet learnt (sender)."""
+        assert endpoint.transport is not None
+        transport = endpoint.transport
+        end: LocalSendingEnd | LocalReceivingEnd
+        if call.end == "receiving":
+            end = LocalReceivingEnd(transport)
+        elif (peer := endpoint.peers.get(call.receiver)) is not None:
+            end = LocalSendingEnd(transport, peer)
+        else:
+            return Failure(f"the prefill worker is not paired with a receiver at {call.receiver}")
+        method, args = decoded(call)
+        transfer = transfer_id(args)
+        if method.name in ("expect", "push"):
+            self._active.add(transfer)
+        answer, value = await invoke(end, method, args)
+        if (isinstance(value, TransferResult) and (value.ok or method.name == "completion")
+                or value is True and (method.name == "wait_quiet" or call.end == "receiving")):
+            self._active.discard(transfer)
+        return answer
 
     async def _end_scheduler(self, peer: str) -> None:
         """Everything the scheduler at `peer` held ends: its transfers are made quiet by closing the

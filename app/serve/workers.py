@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -97,8 +98,8 @@ def _build(config: ServeConfig, checkpoint: Checkpoint, roles: list[str], intra_
             device = devices[role]
             if device not in compute:
                 compute[device] = ComputeThread(f"compute-{device}", intra_op_threads)
-                models[device] = compute[device].call(build_model, checkpoint, dtype, device,
-                                                      config.workers.attention_backend)
+                models[device] = compute[device].call(functools.partial(
+                    build_model, attention_backend=config.workers.attention_backend), checkpoint, dtype, device)
             model = models[device]
             pool = compute[device].call(KVPool, model.config, plan.num_pages, plan.page_size_tokens, dtype, device)
             log.info("%s worker on %s: %d pages x %d tokens = %d tokens of KV (%.1f MiB, %s, %s attention, "

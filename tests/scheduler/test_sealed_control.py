@@ -1,6 +1,6 @@
 """The control channel is sealed (FAILURES 31): a relay in front of a worker's control port that
 forwarded the handshake does one thing to one message — a call to the worker (describe, a step,
-a ping, a transfer's arm) or an answer from it (its description, a step's reply, a ping's) —
+a ping, a transfer's call) or an answer from it (its description, a step's reply, a ping's, a transfer call's) —
 flips a bit of it, replays it, swaps it with the next or drops it. Whatever it does, the
 connection closes (an end logs the failed record, naming the relay as it sees it) and the worker
 is lost to the scheduler: nothing altered is ever acted on."""
@@ -31,8 +31,8 @@ from kvfence.transports.core.secret import DeploymentSecret
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("keylog")]
 TIMEOUT_S = 1.0  # pings every quarter of it: a dropped or held message is followed by another soon
 OPS = ("flip", "replay", "reorder", "drop")
-KINDS = [(TO_LISTENER, kind) for kind in ("describe", "run_step", "ping", "arm")] + \
-        [(TO_CONNECTOR, kind) for kind in ("description", "step_done", "done")]
+KINDS = [(TO_LISTENER, kind) for kind in ("describe", "run_step", "ping", "end_call")] + \
+        [(TO_CONNECTOR, kind) for kind in ("description", "step_done", "done", "end_return")]
 _message = msgspec.json.Decoder(dict)
 
 
