@@ -137,7 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import checkpoint_cache, pick_device, pick_dtype
-    from kvfence.engine.model_registry import resolve_model, served_name
+    from kvfence.engine.known_models import resolve_model, served_name
     from kvfence.transports.core.front_key import FrontKey
     from kvfence.transports.core.secret import DeploymentSecret
 
@@ -186,7 +186,7 @@ def _worker(args: argparse.Namespace) -> int:
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import checkpoint_cache, pick_device, pick_dtype
-    from kvfence.engine.model_registry import resolve_model, served_name
+    from kvfence.engine.known_models import resolve_model, served_name
     from kvfence.transports.wire.channel import split_address
 
     intra_op_threads = confine_to_one_intra_op_thread()
@@ -226,7 +226,7 @@ def _check(args: argparse.Namespace) -> int:
     from kvfence.app.serve.sizing import (UndersizedPoolError, configured_context, plan_pools, render_table,
                                           resolve_context)
     from kvfence.engine.loading import pick_device, pick_dtype
-    from kvfence.engine.model_registry import resolve_model
+    from kvfence.engine.known_models import resolve_model
 
     config = load_config(vars(args), os.environ, args.config)
     model = _read_model_config(resolve_model(config.model, kvfence_home()))
@@ -263,7 +263,7 @@ def _weights_line(path: Path, weights: str, dtype: torch.dtype) -> str:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from kvfence.engine.model_registry import resolve_model
+    from kvfence.engine.known_models import resolve_model
 
     print(resolve_model(args.model, kvfence_home()))
     return 0
@@ -348,7 +348,7 @@ _RUNS_THE_MODEL = ("generate", "serve", "worker", "check")
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from kvfence.engine.checkpoint import CheckpointError
-    from kvfence.engine.model_registry import FetchError
+    from kvfence.engine.known_models import FetchError
 
     if args.command in _RUNS_THE_MODEL:
         from kvfence.app.config.environment import kernel_place

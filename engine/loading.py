@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
-from kvfence.engine.model_registry import resolve_model
+from kvfence.engine.known_models import resolve_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}

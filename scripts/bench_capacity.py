@@ -36,7 +36,7 @@ def bookkeeping(args: argparse.Namespace) -> None:
     from kvfence.app.config.environment import kvfence_home
     from kvfence.app.serve.sizing import plan_pools, resolve_context
     from kvfence.engine.checkpoint import load_checkpoint
-    from kvfence.engine.model_registry import resolve_model
+    from kvfence.engine.known_models import resolve_model
     from kvfence.engine.sampling import SamplingParams
     from kvfence.scheduler.driver import Scheduler
 

@@ -20,7 +20,7 @@ import torch
 
 from kvfence.app.config.environment import kvfence_home
 from kvfence.engine.checkpoint import load_checkpoint
-from kvfence.engine.model_registry import resolve_model
+from kvfence.engine.known_models import resolve_model
 
 SCHEMA = {
     "type": "object",

@@ -62,7 +62,7 @@ def serve_in_this_process(flags: list[str], guarded: bool) -> int:
     from kvfence.engine.checkpoint import load_checkpoint
     from kvfence.engine.compute import confine_to_one_intra_op_thread
     from kvfence.engine.loading import checkpoint_cache
-    from kvfence.engine.model_registry import resolve_model, served_name
+    from kvfence.engine.known_models import resolve_model, served_name
 
     intra_op_threads = confine_to_one_intra_op_thread()  # before any torch op, as `kvfence serve` does
     parser = argparse.ArgumentParser(prog="kvfence serve")

@@ -64,7 +64,7 @@ from pathlib import Path
 import httpx
 
 from kvfence.app.config.environment import kvfence_home
-from kvfence.engine.model_registry import resolve_model
+from kvfence.engine.known_models import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve  # noqa: E402

@@ -43,7 +43,7 @@ from kvfence.engine.checkpoint import load_checkpoint
 from kvfence.engine.compute import ComputeThread
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.models.registry import build_model
-from kvfence.engine.model_registry import resolve_model
+from kvfence.engine.known_models import resolve_model
 from kvfence.engine.protocol import RunStep
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.worker import LocalWorkerChannel, Worker

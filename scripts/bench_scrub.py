@@ -15,7 +15,7 @@ from kvfence.app.config.environment import kvfence_home
 from kvfence.engine.checkpoint import read_config
 from kvfence.engine.kv_pool import SCRUB_MODES, UNSCRUBBED, KVPool
 from kvfence.engine.loading import DTYPES
-from kvfence.engine.model_registry import resolve_model
+from kvfence.engine.known_models import resolve_model
 
 
 def main() -> None:

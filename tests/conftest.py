@@ -11,7 +11,7 @@ import torch
 from kvfence.app.config.environment import kernel_place, kvfence_home
 from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
 from kvfence.engine.loading import checkpoint_cache
-from kvfence.engine.model_registry import resolve_model
+from kvfence.engine.known_models import resolve_model
 from kvfence.kernels.cpu import library
 
 DATA = Path(__file__).parent / "data"

