@@ -44,7 +44,7 @@ from kvfence.engine.logprobs import TokenLogprobs
 from kvfence.engine.protocol import StepDone, WorkerReply
 from kvfence.engine.sampling import SamplingParams
 from kvfence.engine.tokenizer import Tokenizer
-from kvfence.scheduler.core.actions import Action, Emit, MoveResult, StartTransfer, WatchQuiet
+from kvfence.scheduler.core.actions import Action, Emit, MoveResult
 from kvfence.scheduler.core.config import SchedulerConfig
 from kvfence.scheduler.core.errors import AdmissionRejected, RequestError, overloaded
 from kvfence.scheduler.core.fleet import Fleet
@@ -59,6 +59,7 @@ from kvfence.scheduler.core.request import Request, client_closed
 from kvfence.scheduler.core.starts import Starts
 from kvfence.scheduler.core.steps import Steps
 from kvfence.scheduler.core.tenants import ANONYMOUS, Tenant
+from kvfence.scheduler.core.transfers import Transfers
 from kvfence.scheduler.core.worker_binding import Pair, Step, WorkerBinding
 from kvfence.scheduler.core.worker_events import WorkerEvents
 from kvfence.scheduler.metrics import SchedulerMetrics
@@ -70,8 +71,9 @@ log = logging.getLogger(__name__)
 class SchedulerCore:
     """Composed of its parts, each with its own state: `registry` (the live requests, indexed by
     state), `fleet` (workers and pairs), `pages` (reservations, the prefix cache, quarantine),
-    `preemption` and `worker_events`; this class takes the events, plans each worker's steps and
-    ends requests."""
+    `starts` (which queued request starts next, where), `steps` (each worker's next message),
+    `transfers` (the KV moved between pools), `preemption` and `worker_events`; this class takes
+    the events and ends requests."""
 
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, prefill: WorkerBinding, decode: WorkerBinding,
                  metrics: SchedulerMetrics | None = None, *, mint: Callable[[], int] = mint_id,
@@ -95,7 +97,8 @@ class SchedulerCore:
         self.steps = Steps(config, self.registry, self.fleet, self.preemption, self._actions)
         self.starts = Starts(config, self.metrics, self.registry, self.fleet, self.pages, self.preemption,
                              end=self._end)
-        self._transfer_keys = 0
+        self.transfers = Transfers(config, self.metrics, self.registry, self.fleet, self.pages, self._actions,
+                                   end=self._end, retry=self._retry, start_decoding=self._start_decoding)
         self._recent = RecentGroups(config.contention_window_s)
         self.fleet.add_pair(prefill, decode, max_context_tokens)
         if config.unsafe_cache_across_tenants:
@@ -275,47 +278,12 @@ class SchedulerCore:
 
     def transfer_finished(self, key: int, result: MoveResult, now: float, *, crashed: bool = False) -> None:
         """Transfer `key` ended (`crashed`: its task failed; what the transport did is unknown)."""
-        req = self.registry.transferring(key)
-        assert req.pair is not None
-        prefill, decode = req.pair.prefill, req.pair.decode
-        req.fire(Event.TRANSFER_ENDED)
-        self.metrics.transfer(result.ok, result.nbytes, now - req.prefill_done_s)
-        held: list[tuple[WorkerBinding, int]] = []
-        if result.source_quiet:
-            prefill.table.release(req.prefill_lease)
-        else:  # a posted one-sided write may still read them
-            held.append((prefill, req.prefill_lease))
-        if not result.quiet:  # a write may still land: the destination pages stay out of the free list
-            held.append((decode, req.decode_lease))
-            req.decode_lease = 0
-        req.prefill_lease = 0
-        for w, lease in held:
-            self.pages.quarantine(w, lease, now)
-        if held and result.until_quiet is not None:
-            self.pages.held_until_quiet[key] = held
-            self._actions.append(WatchQuiet(key, result.until_quiet))
-        if req.pending_retry and result.ok and decode in self.workers:
-            req.fire(Event.KEEP)  # its prefill worker was lost after the KV left it: decoding goes on
-        if req.pending_retry and req.pending_end is None and not crashed:
-            self._retry(req, now)
-        elif crashed:
-            self._end(req, RequestError(500, "kv_transfer_failed", "the KV transfer failed on the server"), now)
-        elif req.pending_end is not None:
-            self._end(req, req.pending_end, now)
-        elif not result.ok:
-            log.warning("%s: KV transfer failed (%s)", req.who, result.reason)
-            self._end(req, RequestError(502, "kv_transfer_failed", f"the KV transfer failed: {result.reason}"), now)
-        else:
-            first = req.shared_decode * self.config.page_size_tokens
-            decode.table.land(req.decode_lease, req.decode_pages, first, req.prefill_target)
-            self.pages.seal(decode, req, req.decode_lease, req.decode_pages, req.shared_decode)
-            self._start_decoding(req, req.pending_token, req.pending_logprobs, now)
+        self.transfers.finished(key, result, now, crashed=crashed)
         self._schedule(now)
 
     def transfer_quiet(self, key: int, now: float) -> None:
         """Every write transfer `key` posted is terminal: its quarantined pages come back."""
-        for w, lease in self.pages.held_until_quiet.pop(key, []):
-            self.pages.confirm_quiet(w, lease, now)
+        self.transfers.quiet(key, now)
         self._schedule(now)
 
     def lease_quiet(self, worker: str, lease: int, now: float) -> list[int]:
@@ -357,24 +325,8 @@ class SchedulerCore:
             if w.in_flight is None:
                 self.steps.plan(w, now, contended)
         self.steps.cut_for_first_tokens()
-        for req in self.registry.in_state(State.TRANSFERRING):
-            assert req.pair is not None
-            if not req.transfer and req.pair.decode.table.grant_applied(req.decode_lease):
-                self._transfer_keys += 1
-                req.fire(Event.TRANSFER_STARTED, transfer=self._transfer_keys)
-                self._actions.append(self._transfer_plan(req))
+        self.transfers.start_ready()
         self.metrics.queue_sizes(len(self.queue), self.num_running())
-
-    def _transfer_plan(self, req: Request) -> StartTransfer:
-        """Move what the decode pool does not already hold: from the first page past its cache hit
-        to the last page of the prompt, page i of one page table into page i of the other."""
-        assert req.pair is not None
-        first, end = req.shared_decode, self.config.pages_for(req.prefill_target)
-        return StartTransfer(key=req.transfer, request_id=req.request_id, num_tokens=req.prefill_target,
-                             src_lease=req.prefill_lease, src_pages=req.prefill_pages[first:end],
-                             dst_lease=req.decode_lease, dst_pages=req.decode_pages[first:end],
-                             first_token=first * self.config.page_size_tokens, tenant=req.tenant,
-                             sender=req.pair.prefill.name, receiver=req.pair.decode.name)
 
     # ---- starting, retrying and ending requests ----
 

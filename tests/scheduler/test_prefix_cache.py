@@ -19,7 +19,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.actions import StartTransfer
 from kvfence.scheduler.core.config import SchedulerConfig
-from kvfence.scheduler.core.scheduler import SchedulerCore
+from kvfence.scheduler.core.transfers import Transfers
 from kvfence.scheduler.handle import RequestHandle
 from kvfence.scheduler.core.tenants import Tenant
 from test_scheduler import offline_greedy
@@ -122,18 +122,18 @@ async def test_a_plan_that_does_not_add_up_fails_that_request_closed(
         pytest.skip("colocated requests have no transfer")
     want = offline_greedy(tiny, [PROMPT], 6)[0][0]
     assert await run(s.submit(PROMPT, GREEDY, T)) == (want, 0, None)
-    real = SchedulerCore._transfer_plan
+    real = Transfers.plan
 
-    def short(self: SchedulerCore, req) -> StartTransfer:  # type: ignore[no-untyped-def]
+    def short(self: Transfers, req) -> StartTransfer:  # type: ignore[no-untyped-def]
         plan = real(self, req)
         return StartTransfer(key=plan.key, request_id=plan.request_id, num_tokens=plan.num_tokens,
                              src_lease=plan.src_lease, src_pages=plan.src_pages, dst_lease=plan.dst_lease,
                              dst_pages=plan.dst_pages[1:], first_token=plan.first_token)
 
-    monkeypatch.setattr(SchedulerCore, "_transfer_plan", short)
+    monkeypatch.setattr(Transfers, "plan", short)
     assert await run(s.submit(PROMPT[:20], GREEDY, T)) == ([], 0, "kv_transfer_failed")
     await wait_idle(s)
-    monkeypatch.setattr(SchedulerCore, "_transfer_plan", real)
+    monkeypatch.setattr(Transfers, "plan", real)
     assert await run(s.submit(PROMPT, GREEDY, T)) == (want, 28, None)
     await wait_idle(s)
 

@@ -19,6 +19,7 @@ from kvfence.engine.checkpoint import Checkpoint
 from kvfence.engine.sampling import SamplingParams
 from kvfence.scheduler.core.pages import Pages
 from kvfence.scheduler.core.scheduler import SchedulerCore
+from kvfence.scheduler.core.transfers import Transfers
 from kvfence.scheduler.core.worker_events import WorkerEvents
 
 SHARED_PROMPTS = ((5, 6, 7), (5, 6, 7))  # one full page alike: the second can share the first's
@@ -147,13 +148,13 @@ def test_it_finds_a_transfer_plan_that_ignores_the_decode_side_hit(tiny: Checkpo
     decode pool's cache would write into a sealed page another request reads (FAILURES 26)."""
     from kvfence.scheduler.core.actions import StartTransfer
 
-    def whole_prompt(self: SchedulerCore, req):  # type: ignore[no-untyped-def]
+    def whole_prompt(self: Transfers, req):  # type: ignore[no-untyped-def]
         end = self.config.pages_for(req.prefill_target)
         return StartTransfer(key=req.transfer, request_id=req.request_id, num_tokens=req.prefill_target,
                              src_lease=req.prefill_lease, src_pages=req.prefill_pages[:end], dst_lease=req.decode_lease,
                              dst_pages=req.decode_pages[:end])
 
-    monkeypatch.setattr(SchedulerCore, "_transfer_plan", whole_prompt)
+    monkeypatch.setattr(Transfers, "plan", whole_prompt)
     with pytest.raises(Violation) as found:
         explore(world_factory(tiny, True, Budget(restarts=0, aborts=0, ticks=0, transfer_faults=0), cache=True,
                               prompts=SHARED_PROMPTS))
