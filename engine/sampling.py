@@ -155,6 +155,11 @@ class SamplingParams:
         object.__setattr__(self, "min_p", float(self.min_p))
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> SamplingParams:
+        """Immutable once made (its grammar's compiled form is shared by design): a copy is itself.
+        The core explorer copies the whole scheduler per transition (tests/scheduler/core/)."""
+        return self
+
     def for_steps(self) -> SamplingParams:
         """What every step of the request carries to its worker (engine/protocol.py's
         SeqStep.sampling): these params less the grammar's text and compiled form, which workers

@@ -176,3 +176,13 @@ def test_sample_rejects_mismatched_inputs() -> None:
         Sampler().sample(logits, [SamplingParams()] * 2, [0, -1])
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(logits[0], [SamplingParams()], [0])
+
+
+def test_params_are_immutable_so_copies_share_them() -> None:
+    import copy
+    import dataclasses
+
+    p = SamplingParams(temperature=0.5, stop=("x",), logit_bias=((1, 2.0),))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 1.0  # type: ignore[misc]  # the point: it is refused
+    assert copy.deepcopy({"a": p})["a"] is p
