@@ -45,6 +45,14 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M's GGUF, fetched once into KVFENCE_HOME (engine/known_models.py)."""
+    from kvfence.engine.known_models import GEMMA3_270M
+
+    return resolve_model(GEMMA3_270M.name, kvfence_home(), progress=False)
+
+
+@pytest.fixture(scope="session")
 def smollm2(default_model_path: Path) -> Checkpoint:
     return load_checkpoint(default_model_path, cache_dir=checkpoint_cache(kvfence_home()))
 
