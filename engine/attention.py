@@ -125,8 +125,18 @@ def _tile_rows(layer: torch.Tensor) -> tuple[torch.Tensor, int]:
     return layer.as_strided((rows, page_size, head_dim), (tile, head_dim, 1)), stride
 
 
+def _window_bias(batch: AttentionBatch, bias: torch.Tensor, kv_heads: int, window: int) -> torch.Tensor:
+    """`bias` ([B * kvh, 1, keys]) with the keys more than `window` - 1 positions before each
+    sequence's new token masked too."""
+    keys = bias.shape[-1]
+    first = (batch.decode_kv_lens - window).clamp(min=0)  # [B]: the first key inside the window
+    outside = torch.arange(keys, device=bias.device)[None, :] < first[:, None]  # [B, keys]
+    outside = outside.repeat_interleave(kv_heads, 0).unsqueeze(1)  # [B * kvh, 1, keys]
+    return bias.masked_fill(outside, float("-inf"))
+
+
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttentionBatch,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int = 0) -> torch.Tensor:
     """q: [B, heads, D] -> [B, heads, D], one query per sequence over its pages.
 
     One index_select per K and V gathers each (sequence, KV head)'s pages back to back
@@ -140,6 +150,8 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if value_stride != stride:
         raise ValueError(f"keys and values must share a layout, got page strides {stride} and {value_stride}")
     rows, bias = batch.decode_rows(kv_heads, stride, q.dtype)
+    if window:
+        bias = _window_bias(batch, bias, kv_heads, window)
     b = q.shape[0]
     group = q.shape[1] // kv_heads
     k = key_rows.index_select(0, rows).view(b * kv_heads, -1, head_dim)
@@ -150,20 +162,22 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    batch: AttentionBatch) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads, head_dim], reading K/V through the page tables."""
+                    batch: AttentionBatch, window: int = 0) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim], reading K/V through the page tables.
+    `window` (0: none): a token at position p attends only to the keys at positions
+    p - window + 1 .. p (a sliding-window layer; llama.cpp's standard window)."""
     out = torch.empty_like(q)
     nd = batch.num_decode
     if nd:
-        out[:nd] = _decode_attention(q[:nd], keys, values, batch, 1.0 / math.sqrt(q.shape[2]))
-    prefill_attention(q, keys, values, batch, out)
+        out[:nd] = _decode_attention(q[:nd], keys, values, batch, 1.0 / math.sqrt(q.shape[2]), window)
+    prefill_attention(q, keys, values, batch, out, window)
     return out
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttentionBatch,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, window: int = 0) -> None:
     """The prefill rows of `paged_attention`, written into `out`: each chunk attends causally over
-    its sequence's cached pages and itself."""
+    its sequence's cached pages and itself (within `window` positions, when one is given)."""
     num_kv_heads, head_dim = keys.shape[1], q.shape[2]
     scale = 1.0 / math.sqrt(head_dim)
     for span in batch.prefills:
@@ -174,7 +188,10 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         v = values.index_select(0, span.page_table).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
         qp = q[rows].transpose(0, 1)  # [heads, n, D]
         q_pos = torch.arange(span.context_tokens, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, kv_len]
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]  # [n, kv_len]
+        if window:
+            mask &= k_pos > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(qp.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)

@@ -55,8 +55,9 @@ class AttentionBackend(Protocol):
         """keys/values: [num_pages, kv_heads, page_size, head_dim] pool views; k, v: [T, kv_heads, head_dim]."""
 
     def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        batch: AttentionBatch) -> torch.Tensor:
-        """q: [T, heads, head_dim] -> [T, heads, head_dim], reading K/V through the page tables."""
+                        batch: AttentionBatch, window: int = 0) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> [T, heads, head_dim], reading K/V through the page tables;
+        `window` (0: none): each token attends only to its last `window` positions (engine/attention.py)."""
 
 
 class TorchBackend:
@@ -68,8 +69,8 @@ class TorchBackend:
         attention.store_kv(keys, values, k, v, batch)
 
     def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        batch: AttentionBatch) -> torch.Tensor:
-        return attention.paged_attention(q, keys, values, batch)
+                        batch: AttentionBatch, window: int = 0) -> torch.Tensor:
+        return attention.paged_attention(q, keys, values, batch, window)
 
 
 class CpuBackend(TorchBackend):
@@ -105,9 +106,9 @@ class CpuBackend(TorchBackend):
         self._kernel.store_kv(keys, values, k, v, self.checked(batch, keys)[0])
 
     def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        batch: AttentionBatch) -> torch.Tensor:
-        if not self._kernel.usable(q, keys):
-            return attention.paged_attention(q, keys, values, batch)
+                        batch: AttentionBatch, window: int = 0) -> torch.Tensor:
+        if window or not self._kernel.usable(q, keys):  # the kernel has no window yet: the torch path
+            return attention.paged_attention(q, keys, values, batch, window)
         return self._kernel.decode_attention(q, keys, values, self.checked(batch, keys)[1],
                                              1.0 / math.sqrt(q.shape[2]))
 
@@ -198,7 +199,9 @@ class TritonBackend:
         self._store(keys, values, k, v, batch.slot_pages, batch.slot_offsets)
 
     def paged_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        batch: AttentionBatch) -> torch.Tensor:
+                        batch: AttentionBatch, window: int = 0) -> torch.Tensor:
+        if window:  # the kernels have no window yet: the torch path, on the same device
+            return attention.paged_attention(q, keys, values, batch, window)
         kb = self._kernel_batch(batch)
         out = torch.empty_like(q)  # [T, heads, head_dim]
         nd = batch.num_decode

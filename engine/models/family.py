@@ -19,6 +19,7 @@ What a model may use of its attention backend is in the backend's own interface
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -90,3 +91,21 @@ class ModelFamily(Protocol):
         cpu | triton (engine/attention_backend.py). `cpu_kernels`: False runs torch's paths even
         where kernels/cpu runs (what benchmarks compare against)."""
         ...
+
+
+class GGUFNames:
+    """A family's canonical names of GGUF tensors: whole-model ones by name, and per-layer ones
+    (`blk.N.<name>`) as `model.layers.N.<canonical>`."""
+
+    _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+    def __init__(self, model: dict[str, str], layer: dict[str, str]) -> None:
+        self.model, self.layer = model, layer
+
+    def canonical(self, gguf_name: str) -> str | None:
+        if gguf_name in self.model:
+            return self.model[gguf_name]
+        m = self._LAYER.match(gguf_name)
+        if m and m.group(2) in self.layer:
+            return f"model.layers.{m.group(1)}.{self.layer[m.group(2)]}"
+        return None

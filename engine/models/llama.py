@@ -16,7 +16,6 @@ stored unpermuted (llama.cpp runs them with NeoX RoPE) and are left as they are.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,17 +30,17 @@ from kvfence.engine.gguf_metadata import GGUFMetadata, float32_value
 from kvfence.engine.gguf_tensor import GGUFTensor
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.linear import Linear
+from kvfence.engine.models.family import GGUFNames
 from kvfence.engine.model_config import ModelConfig, UnsupportedModelError
 from kvfence.engine.rope import Rope
 from kvfence.kernels.cpu import elementwise as cpu_elementwise, gemm as cpu_gemm, layer as cpu_layer
 from kvfence.kernels.cpu import library as cpu_kernels_library
 
-_GLOBAL_NAMES = {
+_NAMES = GGUFNames({
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
+}, {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -54,8 +53,7 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+})
 _PERMUTED_QK_ARCHS = ("llama",)  # whose Q/K weights the GGUF converter permuted for interleaved RoPE
 
 
@@ -310,12 +308,7 @@ class LlamaFamily:
             raise UnsupportedModelError(f"{source}: {e}") from e
 
     def canonical_name(self, gguf_name: str) -> str | None:
-        if gguf_name in _GLOBAL_NAMES:
-            return _GLOBAL_NAMES[gguf_name]
-        m = _LAYER_RE.match(gguf_name)
-        if m and m.group(2) in _LAYER_NAMES:
-            return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-        return None
+        return _NAMES.canonical(gguf_name)
 
     def from_gguf(self, name: str, tensor: torch.Tensor | GGUFTensor,
                   config: ModelConfig) -> torch.Tensor | GGUFTensor:

@@ -1,4 +1,5 @@
-"""Paged attention through page tables equals plain attention over contiguous K/V."""
+"""Paged attention through page tables equals plain attention over contiguous K/V, with and
+without a sliding window (Gemma 3's sliding layers)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,27 @@ import torch
 from kvfence.engine.attention import build_attention_batch, paged_attention, store_kv
 
 
-def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
-    """q: [n, H, D] at positions q_start..; k, v: [L, KVH, D] -> [n, H, D], float64 softmax."""
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                         window: int = 0) -> torch.Tensor:
+    """q: [n, H, D] at positions q_start..; k, v: [L, KVH, D] -> [n, H, D], float64 softmax; with a
+    `window`, position p sees only keys p - window + 1 .. p."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.double(), k) / math.sqrt(q.shape[-1])
     q_pos = torch.arange(q_start, q_start + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if window:
+        scores = scores.masked_fill(k_pos <= q_pos - window, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("window", [0, 1, 5, 17])
 @pytest.mark.parametrize("layout", ["contiguous", "page_major"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_paged_equals_contiguous(seed: int, page_size: int, layout: str) -> None:
+def test_paged_equals_contiguous(seed: int, page_size: int, layout: str, window: int) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kv_heads = rng.choice([1, 2, 3])
@@ -61,10 +68,10 @@ def test_paged_equals_contiguous(seed: int, page_size: int, layout: str) -> None
     new_v = torch.cat([v[ctx:] for _, _, v, ctx, _ in ordered])
     q = torch.randn(new_k.shape[0], heads, head_dim)
     store_kv(keys, values, new_k, new_v, batch)
-    out = paged_attention(q, keys, values, batch)
+    out = paged_attention(q, keys, values, batch, window)
     row = 0
     for _, k, v, ctx, n in ordered:
-        want = contiguous_attention(q[row:row + n], k, v, ctx)
+        want = contiguous_attention(q[row:row + n], k, v, ctx, window)
         torch.testing.assert_close(out[row:row + n].double(), want, atol=1e-5, rtol=1e-5)
         row += n
 

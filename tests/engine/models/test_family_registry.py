@@ -33,7 +33,7 @@ def test_the_llama_family_runs_its_architectures(architecture: str) -> None:
 
 
 def test_an_unknown_architecture_names_what_runs() -> None:
-    with pytest.raises(UnsupportedModelError, match=r"^m.gguf: unknown architecture 'rwkv6'; kvfence runs llama, mistral, qwen2"):
+    with pytest.raises(UnsupportedModelError, match=r"^m.gguf: unknown architecture 'rwkv6'; kvfence runs gemma3, llama, mistral, qwen2"):
         registry.family_of("rwkv6", "m.gguf")
     with pytest.raises(UnsupportedModelError, match=r"model_type='bert' \(architectures=\['BertModel'\]\)"):
         registry.family_of_hf("bert", "dir", ["BertModel"])
