@@ -156,5 +156,7 @@ def load_gguf(path: Path, weights: bool = True, cache_dir: Path | None = None,
     if weights:
         check_tensors(family.expected_shapes(config), tensors, str(path))
     tokenizer = tokenizer_from_gguf_fields(meta.field, str(path))
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = family.chat_template
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
                       rope_freq_factors=rope_freq_factors)

@@ -54,5 +54,7 @@ def load_hf_dir(directory: Path, weights: bool = True) -> Checkpoint:
             raise CheckpointError(f"{shard}: cannot read safetensors ({e})") from e
     if weights:
         check_tensors(family.expected_shapes(config), tensors, str(directory))
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer_from_hf_dir(directory),
-                      source=str(directory))
+    tokenizer = tokenizer_from_hf_dir(directory)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = family.chat_template
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(directory))

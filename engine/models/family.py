@@ -10,6 +10,7 @@ A family is one file in engine/models/ that defines `FAMILY`, an object with thi
 - its weight names: each GGUF tensor name to the canonical (Hugging Face) name the family's model
   reads, any layout fix a GGUF tensor needs on the way (llama.cpp's permuted Q/K rows), and the
   shape of every tensor a checkpoint of a config must hold;
+- its chat format, where the family has one its files may lack (`chat_template`);
 - its layer wiring: `build` makes the model, whose `forward` runs one flat batch of tokens from
   many sequences over the paged KV pool (engine/attention.py's AttentionBatch).
 
@@ -62,6 +63,7 @@ class ModelFamily(Protocol):
     name: str
     architectures: tuple[str, ...]  # GGUF general.architecture values, and ModelConfig.architecture
     hf_model_types: tuple[str, ...]  # config.json model_type values
+    chat_template: str | None  # the family's own turn format, for a file that carries no template
 
     def config_from_gguf(self, meta: GGUFMetadata, path: Path) -> ModelConfig:
         """The config a GGUF file's metadata describes; CheckpointError or UnsupportedModelError

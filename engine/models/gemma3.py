@@ -39,6 +39,23 @@ from kvfence.engine.rope import Rope
 SLIDING_PATTERN = 6  # every sixth layer is global (llama.cpp's gemma3: set_swa_pattern(6))
 LOCAL_ROPE_THETA = 10_000.0  # the sliding layers' RoPE base (llama.cpp: rope_freq_base_train_swa)
 
+# Gemma's turn format (its instruction-tuned models' own template, as the base model's file carries
+# none): a system message joins the first user turn; the assistant's role is "model".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set first_prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set first_prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('conversation roles must alternate user, assistant, user, ... after an optional system') }}"
+    "{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (first_prefix if loop.first else '') + (message['content'] | trim) + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 _NAMES = GGUFNames({"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"},
                    {
     "attn_norm.weight": "input_layernorm.weight",
@@ -159,6 +176,7 @@ class Gemma3Family:
     name = "gemma3"
     architectures = ("gemma3",)
     hf_model_types: tuple[str, ...] = ()  # GGUF only (the module docstring)
+    chat_template = CHAT_TEMPLATE
 
     def config_from_gguf(self, meta: GGUFMetadata, path: Path) -> ModelConfig:
         def get(key: str, default: Any = None) -> Any:

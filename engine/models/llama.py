@@ -237,6 +237,7 @@ class LlamaFamily:
     name = "llama"
     architectures = ("llama", "mistral", "qwen2")
     hf_model_types = ("llama", "mistral", "qwen2")
+    chat_template = None  # every file of the family carries its own
 
     def config_from_gguf(self, meta: GGUFMetadata, path: Path) -> ModelConfig:
         arch = str(meta.architecture)

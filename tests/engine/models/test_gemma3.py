@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvfence.engine.chat_template import ChatTemplateError, render_chat
 from kvfence.engine.checkpoint import Checkpoint, load_checkpoint
 from kvfence.engine.kv_pool import KVPool
 from kvfence.engine.loading import checkpoint_cache
@@ -53,3 +54,30 @@ def test_greedy_equals_llama_cpp(engine: OfflineEngine, case: dict) -> None:
     out = engine.generate([case["prompt_token_ids"]], [GREEDY])[0]
     assert out.generated_token_ids == case["greedy_ids"]
     assert engine.ledger.num_in_use == 0
+
+
+CHATS = {
+    "chat_factual": [{"role": "user", "content": "What is the boiling point of water at sea level in degrees Celsius?"}],
+    "chat_two_turns": [{"role": "user", "content": "Name a primary colour."}, {"role": "assistant", "content": "Red."},
+                       {"role": "user", "content": "Name another one."}],
+}
+
+
+@pytest.mark.parametrize("case_id", sorted(CHATS))
+def test_its_turn_format_is_built_in_and_gives_the_references_prompts(gemma3: Checkpoint, case_id: str) -> None:
+    """The base model's file carries no chat template: the family's own renders the chats the
+    references were made from, to llama.cpp's very ids."""
+    tok = gemma3.tokenizer
+    case = next(c for c in REFERENCE["cases"] if c["id"] == case_id)
+    text = render_chat(tok.chat_template, CHATS[case_id], bos_token=tok.special_token_text(tok.bos_token_id))
+    assert text == case["text"]
+    assert tok.encode(text, add_bos=False) == case["prompt_token_ids"]
+
+
+def test_a_system_message_joins_the_first_turn_and_roles_must_alternate(gemma3: Checkpoint) -> None:
+    tok = gemma3.tokenizer
+    text = render_chat(tok.chat_template, [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": " Hi "}], bos_token="<bos>")
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        render_chat(tok.chat_template, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])

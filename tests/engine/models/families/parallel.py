@@ -86,6 +86,7 @@ class ParallelFamily:
     name = "parallel"
     architectures = ("parallel",)
     hf_model_types = ("parallel",)
+    chat_template = None
 
     def config_from_gguf(self, meta: GGUFMetadata, path: Path) -> ModelConfig:
         def get(key: str, default: Any = None) -> Any:
