@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import multiprocessing
+import signal
 import queue
 import threading
 import time
@@ -44,7 +45,10 @@ _START_TIMEOUT_S = 60.0  # a probe process that is not ready by then has failed 
 
 
 def _probe_main(conn: Connection, vocab: list[bytes], vocab_size: int, stop_ids: list[int]) -> None:
-    """A probe process: compile each spec it is sent, answer ("ok", "") or ("error", why)."""
+    """A probe process: compile each spec it is sent, answer ("ok", "") or ("error", why). It ends
+    when the server closes its connection or kills it; a Ctrl-C at the terminal, which reaches the
+    whole process group, is the server's to act on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import xgrammar as xgr
 
     compiler = new_compiler(xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size,
@@ -53,7 +57,7 @@ def _probe_main(conn: Connection, vocab: list[bytes], vocab_size: int, stop_ids:
     while True:
         try:
             spec = conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionError):  # the server closed it, or went away
             return
         try:
             compile_spec(compiler, spec)
