@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
+import anyio.abc
 import pytest
 import torch
 
@@ -69,3 +72,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group for a test's servers and endpoints, cancelled when the test ends."""
+    async with anyio.create_task_group() as tg:
+        yield tg
+        tg.cancel_scope.cancel()
